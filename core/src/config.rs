@@ -1,0 +1,222 @@
+//! Configuration from the environment conventions people already use.
+//!
+//! Rank and world size come from the first launcher convention found:
+//! torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`), OpenMPI
+//! (`OMPI_COMM_WORLD_RANK`, `..._SIZE`, `..._LOCAL_RANK`, `..._LOCAL_SIZE`),
+//! PMI (`PMI_RANK`, `PMI_SIZE`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`,
+//! `SLURM_LOCALID`). The rendezvous is `MASTER_ADDR`/`MASTER_PORT` (TCP store
+//! served by rank 0) or `CCL_STORE_PATH` (file store directory). `CCL_*`
+//! variables set ccl's own knobs.
+
+use std::{path::PathBuf, time::Duration};
+
+use crate::{Error, Result};
+
+/// Default deadline of every wait (collectives, connects, store calls).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Which launcher convention the rank and world size were read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Launcher {
+    Torchrun,
+    OpenMpi,
+    Pmi,
+    Slurm,
+    /// No launcher variables: a single rank.
+    None,
+}
+
+/// Where ranks meet.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Rendezvous {
+    /// TCP store served by rank 0 at this address.
+    Tcp { host: String, port: u16 },
+    /// File store in this directory.
+    File(PathBuf),
+    /// World size 1 with nothing configured: no store needed.
+    Local,
+}
+
+/// Everything ccl reads from the environment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub launcher: Launcher,
+    pub rendezvous: Rendezvous,
+    /// `CCL_TIMEOUT`: deadline of every wait (`600`, `30s`, `500ms`, `10m`).
+    pub timeout: Duration,
+    /// `CCL_SOCKET_IFNAME`: network interface for links (`eth0`, `lo`).
+    pub socket_ifname: Option<String>,
+    /// `CCL_NSOCKS`: TCP sockets per peer, striped for large messages.
+    pub nsocks: usize,
+    /// `CCL_DEBUG`: tracing filter (`warn`, `info`, `debug`, `trace`, or a full filter).
+    pub debug: Option<String>,
+}
+
+/// Parses `600`, `2.5`, `30s`, `500ms`, `10m`, `1h` (a bare number is seconds).
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| c.is_ascii_alphabetic()) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "s"),
+    };
+    let v: f64 = num.trim().parse().ok()?;
+    let secs = match unit {
+        "ms" => v / 1000.0,
+        "s" => v,
+        "m" | "min" => v * 60.0,
+        "h" => v * 3600.0,
+        _ => return None,
+    };
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
+impl Config {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Config> {
+        Config::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads variables through `var` (for tests and embedders).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let num = |k: &str| -> Result<Option<usize>> {
+            match var(k) {
+                None => Ok(None),
+                Some(v) => v
+                    .trim()
+                    .parse::<usize>()
+                    .map(Some)
+                    .map_err(|_| Error::Config(format!("{k}={v:?} is not a non-negative integer"))),
+            }
+        };
+        let conventions: [(Launcher, &str, &str, &str, &str); 4] = [
+            (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+            (
+                Launcher::OpenMpi,
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ),
+            (Launcher::Pmi, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+            (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+        ];
+        let mut found = None;
+        for (launcher, r, w, lr, lw) in conventions {
+            if let (Some(rank), Some(world)) = (num(r)?, num(w)?) {
+                let local_rank = num(lr)?.unwrap_or(rank);
+                let local_world = num(lw)?.unwrap_or(world);
+                found = Some((launcher, rank, world, local_rank, local_world));
+                break;
+            }
+        }
+        let (launcher, rank, world_size, local_rank, local_world_size) =
+            found.unwrap_or((Launcher::None, 0, 1, 0, 1));
+        if world_size == 0 {
+            return Err(Error::Config("world size is 0".into()));
+        }
+        if rank >= world_size {
+            return Err(Error::Config(format!("rank {rank} is not below world size {world_size}")));
+        }
+        let rendezvous = if let Some(path) = var("CCL_STORE_PATH") {
+            Rendezvous::File(PathBuf::from(path))
+        } else {
+            match (var("MASTER_ADDR"), var("MASTER_PORT")) {
+                (Some(host), Some(port)) => Rendezvous::Tcp {
+                    host,
+                    port: port
+                        .trim()
+                        .parse()
+                        .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
+                },
+                _ if world_size == 1 => Rendezvous::Local,
+                (None, _) => {
+                    return Err(Error::Config(format!(
+                        "rank {rank} of {world_size}: set MASTER_ADDR and MASTER_PORT (or CCL_STORE_PATH) for the rendezvous"
+                    )))
+                }
+                (Some(_), None) => {
+                    return Err(Error::Config(format!("rank {rank} of {world_size}: MASTER_ADDR is set but MASTER_PORT is not")))
+                }
+            }
+        };
+        let timeout = match var("CCL_TIMEOUT") {
+            None => DEFAULT_TIMEOUT,
+            Some(v) => parse_duration(&v)
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| Error::Config(format!("CCL_TIMEOUT={v:?} is not a duration like 600, 30s or 10m")))?,
+        };
+        let nsocks = num("CCL_NSOCKS")?.unwrap_or(1);
+        if !(1..=64).contains(&nsocks) {
+            return Err(Error::Config(format!("CCL_NSOCKS={nsocks} is not within 1..=64")));
+        }
+        Ok(Config {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            launcher,
+            rendezvous,
+            timeout,
+            socket_ifname: var("CCL_SOCKET_IFNAME").filter(|s| !s.is_empty()),
+            nsocks,
+            debug: var("CCL_DEBUG").filter(|s| !s.is_empty()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_vars(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn conventions() {
+        let c = cfg(&[("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "29500")]).unwrap();
+        assert_eq!((c.launcher, c.rank, c.world_size, c.local_rank), (Launcher::Torchrun, 2, 4, 0));
+        assert_eq!(c.rendezvous, Rendezvous::Tcp { host: "h".into(), port: 29500 });
+        let c = cfg(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "3"), ("CCL_STORE_PATH", "/tmp/x")]).unwrap();
+        assert_eq!((c.launcher, c.rank, c.world_size, c.local_rank), (Launcher::OpenMpi, 1, 3, 1));
+        assert_eq!(c.rendezvous, Rendezvous::File("/tmp/x".into()));
+        let c = cfg(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap();
+        assert_eq!(c.launcher, Launcher::Pmi);
+        let c = cfg(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap();
+        assert_eq!((c.launcher, c.rank, c.local_rank), (Launcher::Slurm, 5, 1));
+        let c = cfg(&[]).unwrap();
+        assert_eq!((c.launcher, c.world_size, c.rendezvous.clone()), (Launcher::None, 1, Rendezvous::Local));
+        assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+    }
+
+    #[test]
+    fn bad_values_are_clear_errors() {
+        for bad in [
+            vec![("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+            vec![("RANK", "x"), ("WORLD_SIZE", "4")],
+            vec![("RANK", "0"), ("WORLD_SIZE", "2")],
+            vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")],
+            vec![("CCL_TIMEOUT", "soon")],
+            vec![("CCL_NSOCKS", "0")],
+        ] {
+            let e = cfg(&bad).unwrap_err();
+            assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("30"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("-1"), None);
+        assert_eq!(parse_duration("5 fortnights"), None);
+    }
+}

@@ -1,0 +1,66 @@
+//! The `Link` trait: a reliable, ordered, framed channel to one peer.
+
+use std::{future::Future, pin::Pin};
+
+use crate::{op, AbortNotice, AlignedBuf, DataType, FrameHeader, ReduceOp, Result};
+
+/// A boxed future returned by [`Link`] methods.
+pub type LinkFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;
+
+/// What to reduce a received payload with: `into = local ⊕ received`
+/// (`local` defaults to `into` itself).
+#[derive(Clone, Copy, Debug)]
+pub struct Reduction<'a> {
+    pub op: ReduceOp,
+    pub dtype: DataType,
+    pub local: Option<&'a [u8]>,
+}
+
+/// A reliable, ordered, bidirectional channel between this rank and one peer.
+///
+/// One `send` and one receive may be in flight at the same time (from the same
+/// task, joined); two concurrent sends, or two concurrent receives, on one
+/// link are not allowed. A receive names the header it expects and checks the
+/// header that arrives against it (see [`FrameHeader::check_received`]); an
+/// abort frame from the peer turns into [`crate::Error::PeerLost`] naming the
+/// rank that failed first. Errors leave `call` empty; the caller fills it in.
+pub trait Link: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+
+    /// The rank at the other end.
+    fn peer(&self) -> usize;
+
+    /// Sends one frame: `header` (whose `len` must equal `data.len()`) and `data`.
+    fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()>;
+
+    /// Receives one frame whose header must match `expect`, payload straight into `into`.
+    fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()>;
+
+    /// Receives one frame and reduces it into `into`.
+    ///
+    /// The default receives into scratch memory, then reduces; transports that
+    /// can read the payload in place (shared memory) or in pieces (TCP) override it.
+    fn recv_reduce<'a>(
+        &'a self,
+        expect: FrameHeader,
+        into: &'a mut [u8],
+        reduction: Reduction<'a>,
+    ) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            let mut scratch = AlignedBuf::zeroed(into.len());
+            self.recv(expect, scratch.as_mut_slice()).await?;
+            op::reduce(reduction.op, reduction.dtype, into, reduction.local, scratch.as_slice())
+        })
+    }
+
+    /// Best effort, bounded in time: tells the peer that this rank gives up and
+    /// why, then closes the link so that nothing waits on it any more.
+    fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()>;
+}
+
+impl std::fmt::Debug for dyn Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Link({} -> {})", self.rank(), self.peer())
+    }
+}

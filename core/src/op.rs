@@ -1,0 +1,483 @@
+//! Reduction operations and the kernels that apply them to byte buffers.
+//!
+//! Kernels take byte slices plus a [`DataType`] so that the executor and the
+//! transports stay untyped; each kernel casts once and then runs a plain loop
+//! over typed slices that the compiler vectorises. Integer sums and products
+//! wrap (as MPI's do). `f16`/`bf16` are widened to `f32` for each step and
+//! rounded once, so a reduction over n ranks rounds n-1 times, never more.
+
+use std::fmt;
+
+use half::{bf16, f16, slice::HalfFloatSliceExt};
+
+use crate::{DataType, Error, Result};
+
+/// A reduction operation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    Min,
+    Max,
+    /// Sum divided by the number of ranks (integer division for integer types).
+    Avg,
+    /// Bitwise and (integer types only).
+    BitAnd,
+    /// Bitwise or (integer types only).
+    BitOr,
+    /// Bitwise xor (integer types only).
+    BitXor,
+    /// Each rank multiplies its own input by this scalar, then the inputs are
+    /// summed (NCCL's `ncclRedOpCreatePreMulSum`). The scalar may differ per
+    /// rank; for integer types it must be a whole number.
+    PreMulSum(f64),
+}
+
+impl ReduceOp {
+    /// Every op kind, with `1.0` as the pre-multiplied sum's scalar.
+    pub const ALL: [ReduceOp; 9] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::BitAnd,
+        ReduceOp::BitOr,
+        ReduceOp::BitXor,
+        ReduceOp::PreMulSum(1.0),
+    ];
+
+    /// A tag for the op kind (the scalar of `PreMulSum` is per rank and not part of it).
+    pub const fn tag(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Prod => 2,
+            ReduceOp::Min => 3,
+            ReduceOp::Max => 4,
+            ReduceOp::Avg => 5,
+            ReduceOp::BitAnd => 6,
+            ReduceOp::BitOr => 7,
+            ReduceOp::BitXor => 8,
+            ReduceOp::PreMulSum(_) => 9,
+        }
+    }
+
+    /// Short name ("sum", "band", "premulsum", ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+            ReduceOp::BitAnd => "band",
+            ReduceOp::BitOr => "bor",
+            ReduceOp::BitXor => "bxor",
+            ReduceOp::PreMulSum(_) => "premulsum",
+        }
+    }
+
+    /// True for the ops defined on integers only.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor)
+    }
+
+    /// Checks that this op may be applied to `dtype`.
+    pub fn validate(self, dtype: DataType) -> Result<()> {
+        if self.is_bitwise() && dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "reduction op {} is not defined for floating-point type {dtype}",
+                self.name()
+            )));
+        }
+        if let ReduceOp::PreMulSum(s) = self {
+            if !s.is_finite() {
+                return Err(Error::InvalidArgument(format!(
+                    "premulsum scalar {s} is not finite"
+                )));
+            }
+            if !dtype.is_float() && s.fract() != 0.0 {
+                return Err(Error::InvalidArgument(format!(
+                    "premulsum scalar {s} must be a whole number for integer type {dtype}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReduceOp::PreMulSum(s) => write!(f, "premulsum({s})"),
+            op => f.write_str(op.name()),
+        }
+    }
+}
+
+impl std::str::FromStr for ReduceOp {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let lower = s.to_ascii_lowercase();
+        if let Some(arg) = lower
+            .strip_prefix("premulsum(")
+            .and_then(|r| r.strip_suffix(')'))
+        {
+            return arg
+                .parse::<f64>()
+                .map(ReduceOp::PreMulSum)
+                .map_err(|_| format!("bad premulsum scalar in '{s}'"));
+        }
+        Ok(match lower.as_str() {
+            "sum" => ReduceOp::Sum,
+            "prod" => ReduceOp::Prod,
+            "min" => ReduceOp::Min,
+            "max" => ReduceOp::Max,
+            "avg" => ReduceOp::Avg,
+            "band" | "and" => ReduceOp::BitAnd,
+            "bor" | "or" => ReduceOp::BitOr,
+            "bxor" | "xor" => ReduceOp::BitXor,
+            "premulsum" => ReduceOp::PreMulSum(1.0),
+            _ => {
+                return Err(format!(
+                    "unknown reduction op '{s}' (expected sum, prod, min, max, avg, band, bor, bxor, premulsum)"
+                ))
+            }
+        })
+    }
+}
+
+/// The binary combining step of an op (`Avg` and `PreMulSum` combine by summing).
+#[derive(Clone, Copy)]
+enum Combine {
+    Sum,
+    Prod,
+    Min,
+    Max,
+    And,
+    Or,
+    Xor,
+}
+
+fn combine_of(op: ReduceOp) -> Combine {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg | ReduceOp::PreMulSum(_) => Combine::Sum,
+        ReduceOp::Prod => Combine::Prod,
+        ReduceOp::Min => Combine::Min,
+        ReduceOp::Max => Combine::Max,
+        ReduceOp::BitAnd => Combine::And,
+        ReduceOp::BitOr => Combine::Or,
+        ReduceOp::BitXor => Combine::Xor,
+    }
+}
+
+/// Applies a binary function elementwise: `dst[i] = f(a[i], b[i])`, where `a`
+/// is `dst` itself when `None`.
+#[inline(always)]
+fn zip_apply<T: Copy>(dst: &mut [T], a: Option<&[T]>, b: &[T], f: impl Fn(T, T) -> T) {
+    match a {
+        None => {
+            for (d, s) in dst.iter_mut().zip(b) {
+                *d = f(*d, *s);
+            }
+        }
+        Some(a) => {
+            for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+                *d = f(*x, *y);
+            }
+        }
+    }
+}
+
+macro_rules! int_kernel {
+    ($name:ident, $t:ty) => {
+        fn $name(c: Combine, dst: &mut [$t], a: Option<&[$t]>, b: &[$t]) {
+            match c {
+                Combine::Sum => zip_apply(dst, a, b, |x, y| x.wrapping_add(y)),
+                Combine::Prod => zip_apply(dst, a, b, |x, y| x.wrapping_mul(y)),
+                Combine::Min => zip_apply(dst, a, b, |x, y| if y < x { y } else { x }),
+                Combine::Max => zip_apply(dst, a, b, |x, y| if y > x { y } else { x }),
+                Combine::And => zip_apply(dst, a, b, |x, y| x & y),
+                Combine::Or => zip_apply(dst, a, b, |x, y| x | y),
+                Combine::Xor => zip_apply(dst, a, b, |x, y| x ^ y),
+            }
+        }
+    };
+}
+
+macro_rules! float_kernel {
+    ($name:ident, $t:ty) => {
+        fn $name(c: Combine, dst: &mut [$t], a: Option<&[$t]>, b: &[$t]) {
+            match c {
+                Combine::Sum => zip_apply(dst, a, b, |x, y| x + y),
+                Combine::Prod => zip_apply(dst, a, b, |x, y| x * y),
+                Combine::Min => zip_apply(dst, a, b, |x, y| if y < x { y } else { x }),
+                Combine::Max => zip_apply(dst, a, b, |x, y| if y > x { y } else { x }),
+                // Rejected by `ReduceOp::validate` before any kernel runs.
+                Combine::And | Combine::Or | Combine::Xor => {}
+            }
+        }
+    };
+}
+
+int_kernel!(kernel_i8, i8);
+int_kernel!(kernel_u8, u8);
+int_kernel!(kernel_i32, i32);
+int_kernel!(kernel_u32, u32);
+int_kernel!(kernel_i64, i64);
+int_kernel!(kernel_u64, u64);
+float_kernel!(kernel_f32, f32);
+float_kernel!(kernel_f64, f64);
+
+/// Elements of a 16-bit float block widened to f32 at a time (fits in L1).
+const HALF_BLOCK: usize = 256;
+
+/// Reduces 16-bit floats by widening blocks to f32, combining, and rounding once.
+fn kernel_half<H>(c: Combine, dst: &mut [H], a: Option<&[H]>, b: &[H])
+where
+    H: Copy,
+    [H]: HalfFloatSliceExt,
+{
+    let mut fa = [0f32; HALF_BLOCK];
+    let mut fb = [0f32; HALF_BLOCK];
+    let mut start = 0;
+    while start < dst.len() {
+        let end = (start + HALF_BLOCK).min(dst.len());
+        let n = end - start;
+        match a {
+            Some(a) => a[start..end].convert_to_f32_slice(&mut fa[..n]),
+            None => dst[start..end].convert_to_f32_slice(&mut fa[..n]),
+        }
+        b[start..end].convert_to_f32_slice(&mut fb[..n]);
+        let (x, y) = (&mut fa[..n], &fb[..n]);
+        kernel_f32(c, x, None, y);
+        dst[start..end].convert_from_f32_slice(x);
+        start = end;
+    }
+}
+
+/// Casts a byte slice to `T`, or reports which argument was misaligned.
+fn typed<'a, T: bytemuck::Pod>(bytes: &'a [u8], what: &str) -> Result<&'a [T]> {
+    bytemuck::try_cast_slice(bytes).map_err(|e| {
+        Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}"))
+    })
+}
+
+fn typed_mut<'a, T: bytemuck::Pod>(bytes: &'a mut [u8], what: &str) -> Result<&'a mut [T]> {
+    bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
+        Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}"))
+    })
+}
+
+/// `dst = a ⊕ b` elementwise, with `a = dst` when `a` is `None`.
+///
+/// All slices must have the same length, a multiple of the element size, and
+/// be aligned for the element type. `Avg` and `PreMulSum` combine by summing;
+/// their pre/post steps are [`prescale`] and [`finalize`].
+pub fn reduce(op: ReduceOp, dtype: DataType, dst: &mut [u8], a: Option<&[u8]>, b: &[u8]) -> Result<()> {
+    if b.len() != dst.len() || a.is_some_and(|a| a.len() != dst.len()) {
+        return Err(Error::Internal(format!(
+            "reduce length mismatch: dst {} a {:?} b {}",
+            dst.len(),
+            a.map(<[u8]>::len),
+            b.len()
+        )));
+    }
+    let c = combine_of(op);
+    macro_rules! go {
+        ($k:ident, $t:ty) => {{
+            let a: Option<&[$t]> = match a {
+                Some(a) => Some(typed(a, "first operand")?),
+                None => None,
+            };
+            $k(c, typed_mut::<$t>(dst, "destination")?, a, typed(b, "second operand")?)
+        }};
+    }
+    match dtype {
+        DataType::I8 => go!(kernel_i8, i8),
+        DataType::U8 => go!(kernel_u8, u8),
+        DataType::I32 => go!(kernel_i32, i32),
+        DataType::U32 => go!(kernel_u32, u32),
+        DataType::I64 => go!(kernel_i64, i64),
+        DataType::U64 => go!(kernel_u64, u64),
+        DataType::F16 => go!(kernel_half, f16),
+        DataType::Bf16 => go!(kernel_half, bf16),
+        DataType::F32 => go!(kernel_f32, f32),
+        DataType::F64 => go!(kernel_f64, f64),
+    }
+    Ok(())
+}
+
+/// `PreMulSum`'s first step: `buf[i] *= scalar` for this rank's own input.
+/// Does nothing for the other ops.
+pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
+    let ReduceOp::PreMulSum(s) = op else {
+        return Ok(());
+    };
+    macro_rules! int {
+        ($t:ty) => {{
+            let k = s as i64 as $t;
+            typed_mut::<$t>(buf, "buffer")?.iter_mut().for_each(|x| *x = x.wrapping_mul(k));
+        }};
+    }
+    match dtype {
+        DataType::I8 => int!(i8),
+        DataType::U8 => int!(u8),
+        DataType::I32 => int!(i32),
+        DataType::U32 => int!(u32),
+        DataType::I64 => int!(i64),
+        DataType::U64 => int!(u64),
+        DataType::F16 => map_half::<f16>(typed_mut(buf, "buffer")?, |x| x * s as f32),
+        DataType::Bf16 => map_half::<bf16>(typed_mut(buf, "buffer")?, |x| x * s as f32),
+        DataType::F32 => typed_mut::<f32>(buf, "buffer")?.iter_mut().for_each(|x| *x *= s as f32),
+        DataType::F64 => typed_mut::<f64>(buf, "buffer")?.iter_mut().for_each(|x| *x *= s),
+    }
+    Ok(())
+}
+
+/// `Avg`'s last step: divides a fully reduced buffer by `world_size`.
+/// Does nothing for the other ops.
+pub fn finalize(op: ReduceOp, dtype: DataType, buf: &mut [u8], world_size: usize) -> Result<()> {
+    if op != ReduceOp::Avg || world_size <= 1 {
+        return Ok(());
+    }
+    let n = world_size;
+    macro_rules! int {
+        ($t:ty) => {{
+            let d = n as $t;
+            typed_mut::<$t>(buf, "buffer")?.iter_mut().for_each(|x| *x /= d);
+        }};
+    }
+    match dtype {
+        DataType::I8 => int!(i8),
+        DataType::U8 => int!(u8),
+        DataType::I32 => int!(i32),
+        DataType::U32 => int!(u32),
+        DataType::I64 => int!(i64),
+        DataType::U64 => int!(u64),
+        DataType::F16 => map_half::<f16>(typed_mut(buf, "buffer")?, |x| x / n as f32),
+        DataType::Bf16 => map_half::<bf16>(typed_mut(buf, "buffer")?, |x| x / n as f32),
+        DataType::F32 => typed_mut::<f32>(buf, "buffer")?.iter_mut().for_each(|x| *x /= n as f32),
+        DataType::F64 => typed_mut::<f64>(buf, "buffer")?.iter_mut().for_each(|x| *x /= n as f64),
+    }
+    Ok(())
+}
+
+fn map_half<H>(buf: &mut [H], f: impl Fn(f32) -> f32)
+where
+    H: Copy,
+    [H]: HalfFloatSliceExt,
+{
+    let mut tmp = [0f32; HALF_BLOCK];
+    for chunk in buf.chunks_mut(HALF_BLOCK) {
+        let t = &mut tmp[..chunk.len()];
+        chunk.convert_to_f32_slice(t);
+        t.iter_mut().for_each(|x| *x = f(*x));
+        chunk.convert_from_f32_slice(t);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+        bytemuck::cast_slice(v)
+    }
+
+    #[test]
+    fn int_ops() {
+        let b = [3i32, -4, 5, i32::MAX];
+        for (op, want) in [
+            (ReduceOp::Sum, [4i32, -2, 8, i32::MIN + 3]),
+            (ReduceOp::Prod, [3, -8, 15, i32::MAX.wrapping_mul(4)]),
+            (ReduceOp::Min, [1, -4, 3, 4]),
+            (ReduceOp::Max, [3, 2, 5, i32::MAX]),
+            (ReduceOp::BitAnd, [1 & 3, 2 & -4, 3 & 5, 4 & i32::MAX]),
+            (ReduceOp::BitOr, [1 | 3, 2 | -4, 3 | 5, 4 | i32::MAX]),
+            (ReduceOp::BitXor, [1 ^ 3, 2 ^ -4, 3 ^ 5, 4 ^ i32::MAX]),
+        ] {
+            let mut d = [1i32, 2, 3, 4];
+            reduce(op, DataType::I32, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+            assert_eq!(d, want, "{op}");
+        }
+    }
+
+    #[test]
+    fn three_operand_form_leaves_inputs() {
+        let a = [1.5f64, -2.0];
+        let b = [2.0f64, 8.0];
+        let mut d = [0f64; 2];
+        reduce(ReduceOp::Max, DataType::F64, bytemuck::cast_slice_mut(&mut d), Some(bytes(&a)), bytes(&b)).unwrap();
+        assert_eq!(d, [2.0, 8.0]);
+        assert_eq!(a, [1.5, -2.0]);
+    }
+
+    #[test]
+    fn half_rounds_once_per_step() {
+        // 1 + 2^-11 is not representable in f16, but 2048 + 1 + 1 stepwise
+        // must match f32 arithmetic rounded once per step.
+        let mut d: Vec<f16> = (0..1000).map(|i| f16::from_f32(i as f32 * 0.37)).collect();
+        let b: Vec<f16> = (0..1000).map(|i| f16::from_f32(1.0 - i as f32 * 0.11)).collect();
+        let want: Vec<f16> = d
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| f16::from_f32(x.to_f32() + y.to_f32()))
+            .collect();
+        reduce(ReduceOp::Sum, DataType::F16, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+        assert_eq!(d, want);
+        let mut d: Vec<bf16> = (0..700).map(|i| bf16::from_f32(i as f32 * 1.3)).collect();
+        let b: Vec<bf16> = (0..700).map(|i| bf16::from_f32(-(i as f32) * 0.7)).collect();
+        let want: Vec<bf16> = d
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| bf16::from_f32(x.to_f32().min(y.to_f32())))
+            .collect();
+        reduce(ReduceOp::Min, DataType::Bf16, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+        assert_eq!(d, want);
+    }
+
+    #[test]
+    fn validate_rejects_bitwise_on_floats_and_fractional_int_scalars() {
+        for d in DataType::ALL {
+            for op in [ReduceOp::BitAnd, ReduceOp::BitOr, ReduceOp::BitXor] {
+                assert_eq!(op.validate(d).is_ok(), !d.is_float(), "{op} on {d}");
+            }
+            assert!(ReduceOp::Sum.validate(d).is_ok());
+        }
+        assert!(ReduceOp::PreMulSum(0.5).validate(DataType::I32).is_err());
+        assert!(ReduceOp::PreMulSum(0.5).validate(DataType::F32).is_ok());
+        assert!(ReduceOp::PreMulSum(f64::NAN).validate(DataType::F32).is_err());
+    }
+
+    #[test]
+    fn prescale_and_finalize() {
+        let mut v = [2.0f32, 4.0];
+        prescale(ReduceOp::PreMulSum(0.5), DataType::F32, bytemuck::cast_slice_mut(&mut v)).unwrap();
+        assert_eq!(v, [1.0, 2.0]);
+        finalize(ReduceOp::Avg, DataType::F32, bytemuck::cast_slice_mut(&mut v), 4).unwrap();
+        assert_eq!(v, [0.25, 0.5]);
+        let mut i = [7i64, -7];
+        finalize(ReduceOp::Avg, DataType::I64, bytemuck::cast_slice_mut(&mut i), 2).unwrap();
+        assert_eq!(i, [3, -3]);
+        finalize(ReduceOp::Sum, DataType::I64, bytemuck::cast_slice_mut(&mut i), 2).unwrap();
+        assert_eq!(i, [3, -3]);
+    }
+
+    #[test]
+    fn parse_ops() {
+        for op in ReduceOp::ALL {
+            assert_eq!(op.name().parse::<ReduceOp>().unwrap().tag(), op.tag());
+        }
+        assert_eq!("premulsum(2.5)".parse::<ReduceOp>().unwrap(), ReduceOp::PreMulSum(2.5));
+        assert!("median".parse::<ReduceOp>().is_err());
+    }
+
+    #[test]
+    fn misaligned_and_mismatched_buffers_are_errors() {
+        let mut d = [0u8; 9];
+        let b = [0u8; 8];
+        assert!(reduce(ReduceOp::Sum, DataType::F64, &mut d[1..], None, &b).is_err());
+        assert!(reduce(ReduceOp::Sum, DataType::U8, &mut d, None, &b).is_err());
+    }
+}

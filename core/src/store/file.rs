@@ -1,0 +1,3 @@
+//! Placeholder: replaced by the file store implementation.
+/// File store (being written).
+pub struct FileStore;

@@ -1,0 +1,104 @@
+//! Rendezvous stores: a small key-value service the ranks of a job share.
+//!
+//! [`TcpStore`] is served by rank 0 (or a standalone process) over TCP;
+//! [`FileStore`] keeps keys as files in a directory on a shared filesystem;
+//! [`HashStore`] lives in one process's memory (ranks as threads);
+//! [`PrefixStore`] scopes keys for sub-communicators.
+
+mod file;
+mod hash;
+mod tcp;
+
+use std::{sync::Arc, time::Duration};
+
+pub use file::FileStore;
+pub use hash::HashStore;
+pub use tcp::{TcpStore, TcpStoreServer};
+
+use crate::{Error, Result};
+
+/// A key-value store for rendezvous. Every blocking call has a deadline.
+pub trait Store: Send + Sync {
+    /// Sets `key` to `value`, replacing any value.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+
+    /// The value of `key`, or `None` if it is not set.
+    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>>;
+
+    /// Waits until every key in `keys` is set; [`Error::Timeout`] after `timeout`.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+
+    /// Adds `delta` to the integer at `key` (0 if unset) and returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+
+    /// Sets `key` to `desired` if its value is `expected` (`None`: the key is
+    /// unset). Returns the value the key holds afterwards.
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>>;
+
+    /// Deletes `key`; true if it existed.
+    fn delete(&self, key: &str) -> Result<bool>;
+
+    /// A short description for error messages ("tcp://host:port", "file:///dir").
+    fn describe(&self) -> String;
+
+    /// Waits for `key`, then returns its value.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        self.wait(&[key], timeout)?;
+        self.try_get(key)?.ok_or_else(|| Error::Store {
+            addr: self.describe(),
+            msg: format!("key '{key}' vanished between wait and get"),
+        })
+    }
+}
+
+/// A view of another store with every key prefixed, for sub-communicators.
+#[derive(Clone)]
+pub struct PrefixStore {
+    inner: Arc<dyn Store>,
+    prefix: String,
+}
+
+impl PrefixStore {
+    /// Keys `k` become `"{prefix}/{k}"` in `inner`.
+    pub fn new(inner: Arc<dyn Store>, prefix: impl Into<String>) -> PrefixStore {
+        PrefixStore {
+            inner,
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The prefix, without the trailing separator.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn key(&self, k: &str) -> String {
+        format!("{}/{k}", self.prefix)
+    }
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.inner.set(&self.key(key), value)
+    }
+    fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        self.inner.try_get(&self.key(key))
+    }
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
+        let full: Vec<String> = keys.iter().map(|k| self.key(k)).collect();
+        let refs: Vec<&str> = full.iter().map(String::as_str).collect();
+        self.inner.wait(&refs, timeout)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        self.inner.add(&self.key(key), delta)
+    }
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        self.inner.compare_set(&self.key(key), expected, desired)
+    }
+    fn delete(&self, key: &str) -> Result<bool> {
+        self.inner.delete(&self.key(key))
+    }
+    fn describe(&self) -> String {
+        format!("{} (prefix '{}')", self.inner.describe(), self.prefix)
+    }
+}

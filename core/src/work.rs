@@ -1,0 +1,210 @@
+//! `Work`: the handle every asynchronous call returns.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{Arc, Condvar, Mutex, MutexGuard},
+    task::{Context, Poll, Waker},
+    time::{Duration, Instant},
+};
+
+use crate::{Error, Result};
+
+struct State<T> {
+    result: Option<Result<T>>,
+    done: bool,
+    waker: Option<Waker>,
+}
+
+struct Shared<T> {
+    state: Mutex<State<T>>,
+    cond: Condvar,
+}
+
+impl<T> Shared<T> {
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // A panic while holding this lock cannot leave the state torn (only
+        // plain assignments happen under it), so a poisoned lock is usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The result of an operation that runs in the background.
+///
+/// Await it, or call [`Work::wait`] / [`Work::wait_timeout`] from synchronous
+/// code. Dropping a `Work` does not cancel the operation.
+#[must_use = "a Work does nothing unless waited on; its result carries errors"]
+pub struct Work<T> {
+    shared: Arc<Shared<T>>,
+}
+
+/// The producing side of a [`Work`]: completes it exactly once.
+///
+/// If dropped without completing, the `Work` fails with an internal error
+/// rather than waiting forever.
+pub struct Completer<T> {
+    shared: Option<Arc<Shared<T>>>,
+}
+
+/// A new pending `Work` and the `Completer` that finishes it.
+pub fn work_pair<T>() -> (Work<T>, Completer<T>) {
+    let shared = Arc::new(Shared {
+        state: Mutex::new(State {
+            result: None,
+            done: false,
+            waker: None,
+        }),
+        cond: Condvar::new(),
+    });
+    (
+        Work {
+            shared: shared.clone(),
+        },
+        Completer {
+            shared: Some(shared),
+        },
+    )
+}
+
+impl<T> Completer<T> {
+    /// Finishes the `Work` with `result` and wakes whoever waits on it.
+    pub fn complete(mut self, result: Result<T>) {
+        self.finish(result);
+    }
+
+    fn finish(&mut self, result: Result<T>) {
+        if let Some(shared) = self.shared.take() {
+            let waker = {
+                let mut st = shared.lock();
+                st.result = Some(result);
+                st.done = true;
+                st.waker.take()
+            };
+            shared.cond.notify_all();
+            if let Some(w) = waker {
+                w.wake();
+            }
+        }
+    }
+}
+
+impl<T> Drop for Completer<T> {
+    fn drop(&mut self) {
+        self.finish(Err(Error::Internal(
+            "operation dropped before it completed".into(),
+        )));
+    }
+}
+
+impl<T> Work<T> {
+    /// A `Work` that is already complete.
+    pub fn ready(result: Result<T>) -> Work<T> {
+        let (w, c) = work_pair();
+        c.complete(result);
+        w
+    }
+
+    /// True once the operation finished (successfully or not).
+    pub fn is_completed(&self) -> bool {
+        self.shared.lock().done
+    }
+
+    /// Blocks until the operation finishes and returns its result.
+    ///
+    /// Must not be called from inside an async runtime's worker thread; await instead.
+    pub fn wait(self) -> Result<T> {
+        let mut st = self.shared.lock();
+        while !st.done {
+            st = self.shared.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        take(&mut st)
+    }
+
+    /// Waits at most `timeout`. `None` means the operation is still running:
+    /// the communicator is untouched and this `Work` can be waited on again.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<Result<T>> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        while !st.done {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            st = self
+                .shared
+                .cond
+                .wait_timeout(st, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Some(take(&mut st))
+    }
+}
+
+fn take<T>(st: &mut State<T>) -> Result<T> {
+    st.result
+        .take()
+        .unwrap_or_else(|| Err(Error::InvalidArgument("the result of this Work was already taken".into())))
+}
+
+impl<T> Future for Work<T> {
+    type Output = Result<T>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+        let mut st = self.shared.lock();
+        if st.done {
+            Poll::Ready(take(&mut st))
+        } else {
+            st.waker = Some(cx.waker().clone());
+            Poll::Pending
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Work<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Work(completed: {})", self.is_completed())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wait_from_another_thread() {
+        let (w, c) = work_pair::<u32>();
+        assert!(!w.is_completed());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            c.complete(Ok(7));
+        });
+        assert_eq!(w.wait().unwrap(), 7);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn wait_timeout_keeps_the_work() {
+        let (mut w, c) = work_pair::<u32>();
+        assert!(w.wait_timeout(Duration::from_millis(5)).is_none());
+        c.complete(Ok(1));
+        assert!(w.is_completed());
+        assert_eq!(w.wait_timeout(Duration::ZERO).unwrap().unwrap(), 1);
+        assert!(w.wait_timeout(Duration::ZERO).unwrap().is_err());
+    }
+
+    #[test]
+    fn dropped_completer_fails_the_work() {
+        let (w, c) = work_pair::<()>();
+        drop(c);
+        assert!(matches!(w.wait(), Err(Error::Internal(_))));
+    }
+
+    #[test]
+    fn await_works() {
+        let (w, c) = work_pair::<&str>();
+        let t = std::thread::spawn(move || c.complete(Ok("done")));
+        assert_eq!(futures::executor::block_on(w).unwrap(), "done");
+        t.join().unwrap();
+        assert!(futures::executor::block_on(Work::ready(Ok(3))).is_ok());
+    }
+}
