@@ -1,1 +1,20 @@
+//! ccl-algorithms: collectives as schedules, and one executor that runs them.
+//!
+//! A collective call becomes a [`Spec`]; an [`Algorithm`] turns it into a
+//! [`Schedule`] (plain data, no I/O, testable for every world size and count);
+//! [`execute`] runs a schedule over any [`ccl_core::Link`]s. Algorithms know
+//! no transport; transports know no algorithm.
 
+mod direct;
+mod executor;
+mod ring;
+pub mod schedule;
+mod spec;
+mod tree;
+
+#[cfg(test)]
+mod tests;
+
+pub use executor::{execute, Call, IoBuffers};
+pub use schedule::{Action, BufId, Builder, Op, Region, Schedule};
+pub use spec::{Algorithm, Spec};

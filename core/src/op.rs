@@ -283,6 +283,9 @@ pub fn reduce(op: ReduceOp, dtype: DataType, dst: &mut [u8], a: Option<&[u8]>, b
             b.len()
         )));
     }
+    if dst.is_empty() {
+        return Ok(());
+    }
     let c = combine_of(op);
     macro_rules! go {
         ($k:ident, $t:ty) => {{
@@ -314,6 +317,9 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
     let ReduceOp::PreMulSum(s) = op else {
         return Ok(());
     };
+    if buf.is_empty() {
+        return Ok(());
+    }
     macro_rules! int {
         ($t:ty) => {{
             let k = s as i64 as $t;
@@ -338,7 +344,7 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
 /// `Avg`'s last step: divides a fully reduced buffer by `world_size`.
 /// Does nothing for the other ops.
 pub fn finalize(op: ReduceOp, dtype: DataType, buf: &mut [u8], world_size: usize) -> Result<()> {
-    if op != ReduceOp::Avg || world_size <= 1 {
+    if op != ReduceOp::Avg || world_size <= 1 || buf.is_empty() {
         return Ok(());
     }
     let n = world_size;

@@ -1,0 +1,71 @@
+//! Algorithms where ranks talk to their peers directly: pairwise all-to-all,
+//! linear gather and scatter, and the dissemination barrier.
+
+use crate::schedule::{Action, BufId, Builder, Region, Schedule};
+
+/// All-to-all: block p of the input goes to rank p; block p of the output comes from rank p.
+///
+/// At step s rank r sends to r+s and receives from r-s, so every pair talks at
+/// once without contention. All sends come first in program order, so for an
+/// in-place call a receive waits until the block it overwrites has been sent.
+pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
+    let mut b = Builder::new();
+    let inp = |i: usize| Region::new(BufId::Input, i * count, count);
+    let out = |i: usize| Region::new(BufId::Output, i * count, count);
+    b.push(Action::Copy { src: inp(rank), dst: out(rank) });
+    for s in 1..n {
+        let to = (rank + s) % n;
+        b.push(Action::Send { peer: to, src: inp(to) });
+    }
+    for s in 1..n {
+        let from = (rank + n - s) % n;
+        b.push(Action::Recv { peer: from, dst: out(from) });
+    }
+    b.finish()
+}
+
+/// Gather: every rank's `count` elements land in block `rank` of the root's output.
+pub fn gather(rank: usize, n: usize, root: usize, count: usize) -> Schedule {
+    let mut b = Builder::new();
+    let input = Region::new(BufId::Input, 0, count);
+    if rank == root {
+        b.push(Action::Copy { src: input, dst: Region::new(BufId::Output, root * count, count) });
+        for p in (0..n).filter(|&p| p != root) {
+            b.push(Action::Recv { peer: p, dst: Region::new(BufId::Output, p * count, count) });
+        }
+    } else {
+        b.push(Action::Send { peer: root, src: input });
+    }
+    b.finish()
+}
+
+/// Scatter: block p of the root's input goes to rank p's output.
+pub fn scatter(rank: usize, n: usize, root: usize, count: usize) -> Schedule {
+    let mut b = Builder::new();
+    let output = Region::new(BufId::Output, 0, count);
+    if rank == root {
+        for p in (0..n).filter(|&p| p != root) {
+            b.push(Action::Send { peer: p, src: Region::new(BufId::Input, p * count, count) });
+        }
+        b.push(Action::Copy { src: Region::new(BufId::Input, root * count, count), dst: output });
+    } else {
+        b.push(Action::Recv { peer: root, dst: output });
+    }
+    b.finish()
+}
+
+/// Dissemination barrier: in round k rank r signals r+2^k and waits for r-2^k;
+/// after ⌈log2 n⌉ rounds every rank has heard, transitively, from every other.
+pub fn barrier(rank: usize, n: usize) -> Schedule {
+    let mut b = Builder::new();
+    let empty = Region::new(BufId::Scratch, 0, 0);
+    let mut prev: Option<u32> = None;
+    let mut dist = 1;
+    while dist < n {
+        let after: Vec<u32> = prev.into_iter().collect();
+        b.push_after(Action::Send { peer: (rank + dist) % n, src: empty }, &after);
+        prev = Some(b.push_after(Action::Recv { peer: (rank + n - dist) % n, dst: empty }, &after));
+        dist *= 2;
+    }
+    b.finish()
+}

@@ -1,0 +1,298 @@
+//! The executor: runs any [`Schedule`] over links.
+//!
+//! Ops are grouped into queues, one per link direction (sends to p, receives
+//! from p) plus one for local ops. Each queue runs its ops in order, each op
+//! first waiting for its dependencies; all queues run concurrently inside one
+//! task. So while piece k is being reduced, piece k+1 is already arriving and
+//! piece k-1 is on its way out: the pipelining falls out of the dependencies.
+
+use std::{
+    collections::BTreeMap,
+    marker::PhantomData,
+    pin::pin,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
+};
+
+use ccl_core::{op, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp, Reduction, Result};
+use futures::future::try_join_all;
+use tokio::sync::Notify;
+
+use crate::schedule::{Action, BufId, Region, Schedule};
+
+/// The identity of a call: what goes into every frame header.
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    /// Communicator id.
+    pub comm: u64,
+    /// Sequence number of the call on the communicator.
+    pub seq: u64,
+    pub fingerprint: Fingerprint,
+    pub rank: usize,
+    pub world_size: usize,
+    pub op: ReduceOp,
+}
+
+impl Call {
+    fn dtype(&self) -> DataType {
+        self.fingerprint.dtype
+    }
+
+    /// The call as error messages name it.
+    pub fn name(&self) -> String {
+        FrameHeader::data(self.comm, self.seq, 0, 0, self.fingerprint).call_name()
+    }
+}
+
+/// The caller's input and output memory for one execution.
+///
+/// Input and output may be the same memory (in-place calls) or disjoint;
+/// partial overlap is not allowed.
+pub struct IoBuffers<'a> {
+    input: *const u8,
+    input_len: usize,
+    output: *mut u8,
+    output_len: usize,
+    _borrow: PhantomData<&'a mut [u8]>,
+}
+
+// SAFETY: IoBuffers is a pair of byte regions handed to one execution at a
+// time; sending it to another thread is as safe as sending the borrows.
+unsafe impl Send for IoBuffers<'_> {}
+unsafe impl Sync for IoBuffers<'_> {}
+
+impl<'a> IoBuffers<'a> {
+    /// One buffer that is both input and output.
+    pub fn in_place(buf: &'a mut [u8]) -> IoBuffers<'a> {
+        IoBuffers {
+            input: buf.as_ptr(),
+            input_len: buf.len(),
+            output: buf.as_mut_ptr(),
+            output_len: buf.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Separate input and output.
+    pub fn separate(input: &'a [u8], output: &'a mut [u8]) -> IoBuffers<'a> {
+        IoBuffers {
+            input: input.as_ptr(),
+            input_len: input.len(),
+            output: output.as_mut_ptr(),
+            output_len: output.len(),
+            _borrow: PhantomData,
+        }
+    }
+
+    /// Buffers from raw parts.
+    ///
+    /// # Safety
+    /// Both regions must stay valid, and be touched by nobody else, until the
+    /// execution that receives them has finished or been dropped. They must be
+    /// the same memory or disjoint.
+    pub unsafe fn from_raw(input: *const u8, input_len: usize, output: *mut u8, output_len: usize) -> IoBuffers<'static> {
+        IoBuffers { input, input_len, output, output_len, _borrow: PhantomData }
+    }
+}
+
+/// Resolved memory of an execution: input, output and scratch.
+struct Memory<'a> {
+    io: IoBuffers<'a>,
+    scratch: *mut u8,
+    scratch_len: usize,
+    elem: usize,
+}
+
+// SAFETY: the raw pointers are only dereferenced for regions that the schedule's
+// dependencies keep from being written while anything else touches them.
+unsafe impl Send for Memory<'_> {}
+unsafe impl Sync for Memory<'_> {}
+
+impl Memory<'_> {
+    fn base(&self, buf: BufId) -> (*mut u8, usize) {
+        match buf {
+            BufId::Input => (self.io.input as *mut u8, self.io.input_len),
+            BufId::Output => (self.io.output, self.io.output_len),
+            BufId::Scratch => (self.scratch, self.scratch_len),
+        }
+    }
+
+    fn check(&self, r: &Region) -> Result<()> {
+        let (_, len) = self.base(r.buf);
+        if (r.offset + r.len) * self.elem > len {
+            return Err(Error::Internal(format!("schedule region {r:?} is outside its {len}-byte buffer")));
+        }
+        Ok(())
+    }
+
+    fn ptr(&self, r: &Region) -> *mut u8 {
+        // SAFETY: checked against the buffer length before execution starts.
+        unsafe { self.base(r.buf).0.add(r.offset * self.elem) }
+    }
+
+    /// # Safety
+    /// No op that writes an overlapping region runs at the same time (the schedule's dependencies).
+    unsafe fn slice(&self, r: &Region) -> &[u8] {
+        if r.len == 0 {
+            return &[];
+        }
+        std::slice::from_raw_parts(self.ptr(r), r.len * self.elem)
+    }
+
+    /// # Safety
+    /// No other op touches an overlapping region at the same time (the schedule's dependencies).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut(&self, r: &Region) -> &mut [u8] {
+        if r.len == 0 {
+            return &mut [];
+        }
+        std::slice::from_raw_parts_mut(self.ptr(r), r.len * self.elem)
+    }
+}
+
+struct Exec<'a> {
+    schedule: &'a Schedule,
+    links: &'a [Option<Arc<dyn Link>>],
+    call: &'a Call,
+    mem: Memory<'a>,
+    done: Vec<AtomicBool>,
+    progress: Notify,
+}
+
+/// Which queue an op runs in.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Queue {
+    Local,
+    SendTo(usize),
+    RecvFrom(usize),
+}
+
+fn queue_of(a: &Action) -> Queue {
+    match *a {
+        Action::Send { peer, .. } => Queue::SendTo(peer),
+        Action::Recv { peer, .. } | Action::RecvReduce { peer, .. } => Queue::RecvFrom(peer),
+        Action::Copy { .. } | Action::Finalize { .. } => Queue::Local,
+    }
+}
+
+impl Exec<'_> {
+    async fn wait_for(&self, deps: &[u32]) {
+        loop {
+            let mut notified = pin!(self.progress.notified());
+            notified.as_mut().enable();
+            if deps.iter().all(|&d| self.done[d as usize].load(Ordering::Acquire)) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn link(&self, peer: usize) -> Result<&dyn Link> {
+        self.links
+            .get(peer)
+            .and_then(|l| l.as_deref())
+            .ok_or_else(|| Error::Internal(format!("rank {}: no link to rank {peer}", self.call.rank)))
+    }
+
+    fn header(&self, step: u32, len: usize) -> FrameHeader {
+        FrameHeader::data(self.call.comm, self.call.seq, step, len, self.call.fingerprint)
+    }
+
+    async fn run_queue(&self, ops: &[usize]) -> Result<()> {
+        for (step, &i) in ops.iter().enumerate() {
+            let op = &self.schedule.ops[i];
+            self.wait_for(&op.deps).await;
+            let step = step as u32;
+            // SAFETY (all slices below): the dependencies just awaited order
+            // this op after every op that conflicts with its regions.
+            match op.action {
+                Action::Send { peer, src } => {
+                    let data = unsafe { self.mem.slice(&src) };
+                    self.link(peer)?.send(self.header(step, data.len()), data).await?;
+                }
+                Action::Recv { peer, dst } => {
+                    let into = unsafe { self.mem.slice_mut(&dst) };
+                    self.link(peer)?.recv(self.header(step, into.len()), into).await?;
+                }
+                Action::RecvReduce { peer, dst, local } => {
+                    let local = local.filter(|l| self.mem.ptr(l) != self.mem.ptr(&dst));
+                    let into = unsafe { self.mem.slice_mut(&dst) };
+                    let local = local.map(|l| unsafe { self.mem.slice(&l) });
+                    let reduction = Reduction { op: self.call.op, dtype: self.call.dtype(), local };
+                    self.link(peer)?.recv_reduce(self.header(step, into.len()), into, reduction).await?;
+                }
+                Action::Copy { src, dst } => {
+                    if self.mem.ptr(&src) != self.mem.ptr(&dst) {
+                        let from = unsafe { self.mem.slice(&src) };
+                        unsafe { self.mem.slice_mut(&dst) }.copy_from_slice(from);
+                    }
+                }
+                Action::Finalize { dst } => {
+                    let buf = unsafe { self.mem.slice_mut(&dst) };
+                    op::finalize(self.call.op, self.call.dtype(), buf, self.call.world_size)?;
+                }
+            }
+            self.done[i].store(true, Ordering::Release);
+            self.progress.notify_waiters();
+        }
+        Ok(())
+    }
+}
+
+/// Runs `schedule` over `links` (indexed by rank; `None` for this rank) on `io`,
+/// using `scratch` (grown as needed) for temporary data.
+///
+/// Errors name the call. Dropping the returned future stops the execution;
+/// the links may then be mid-message, so the caller must not reuse them.
+pub async fn execute(
+    schedule: &Schedule,
+    io: IoBuffers<'_>,
+    links: &[Option<Arc<dyn Link>>],
+    call: &Call,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    let elem = call.dtype().size();
+    scratch.reserve_len(schedule.scratch_elems * elem);
+    let mem = Memory {
+        io,
+        scratch: scratch.as_mut_slice().as_mut_ptr(),
+        scratch_len: scratch.len(),
+        elem,
+    };
+    let mut queues: BTreeMap<Queue, Vec<usize>> = BTreeMap::new();
+    for (i, op) in schedule.ops.iter().enumerate() {
+        let a = &op.action;
+        match *a {
+            Action::Send { src: r, .. } | Action::Recv { dst: r, .. } | Action::Finalize { dst: r } => mem.check(&r)?,
+            Action::RecvReduce { dst, local, .. } => {
+                mem.check(&dst)?;
+                if let Some(l) = local {
+                    mem.check(&l)?;
+                }
+            }
+            Action::Copy { src, dst } => {
+                mem.check(&src)?;
+                mem.check(&dst)?;
+            }
+        }
+        if op.deps.iter().any(|&d| d as usize >= i) {
+            return Err(Error::Internal(format!("op {i} depends on a later op")));
+        }
+        queues.entry(queue_of(a)).or_default().push(i);
+    }
+    let exec = Exec {
+        schedule,
+        links,
+        call,
+        mem,
+        done: (0..schedule.ops.len()).map(|_| AtomicBool::new(false)).collect(),
+        progress: Notify::new(),
+    };
+    let name = call.name();
+    try_join_all(queues.values().map(|q| exec.run_queue(q)))
+        .await
+        .map_err(|e| e.in_call(&name))?;
+    Ok(())
+}

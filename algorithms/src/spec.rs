@@ -1,0 +1,137 @@
+//! What to build: a collective call as one rank sees it, and the algorithm
+//! that turns it into a [`Schedule`].
+
+use std::fmt;
+
+use ccl_core::CollectiveKind;
+
+use crate::{direct, ring, schedule::Schedule, tree};
+
+/// An algorithm that can build schedules.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Ring: allreduce (reduce-scatter + allgather), allgather, reduce-scatter.
+    Ring,
+    /// Binomial tree: broadcast, reduce.
+    BinomialTree,
+    /// Pairwise exchange: all-to-all.
+    Pairwise,
+    /// Root talks to every rank directly: gather, scatter.
+    Linear,
+    /// Dissemination: barrier.
+    Dissemination,
+}
+
+impl Algorithm {
+    /// Every algorithm.
+    pub const ALL: [Algorithm; 5] = [
+        Algorithm::Ring,
+        Algorithm::BinomialTree,
+        Algorithm::Pairwise,
+        Algorithm::Linear,
+        Algorithm::Dissemination,
+    ];
+
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Ring => "ring",
+            Algorithm::BinomialTree => "tree",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Linear => "linear",
+            Algorithm::Dissemination => "dissemination",
+        }
+    }
+
+    /// The algorithms that implement `kind` (none for send/recv, which needs no schedule builder).
+    pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
+        match kind {
+            CollectiveKind::AllReduce | CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
+            CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
+            CollectiveKind::AllToAll => &[Algorithm::Pairwise],
+            CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
+            CollectiveKind::Barrier => &[Algorithm::Dissemination],
+            CollectiveKind::SendRecv => &[],
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Algorithm::ALL
+            .into_iter()
+            .find(|a| a.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
+                format!("unknown algorithm '{s}' (expected one of {})", names.join(", "))
+            })
+    }
+}
+
+/// One rank's view of a collective call.
+///
+/// `count` is per the collective's definition: the buffer length for
+/// allreduce, broadcast and reduce; what each rank contributes for allgather
+/// and gather; what each rank receives for reduce-scatter and scatter; what
+/// each pair exchanges for all-to-all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spec {
+    pub kind: CollectiveKind,
+    pub rank: usize,
+    pub world_size: usize,
+    pub count: usize,
+    pub root: usize,
+    /// True when the reduction op has a last step (average).
+    pub finalize: bool,
+    /// Largest piece, in elements, that one send or receive moves.
+    pub piece_elems: usize,
+}
+
+impl Spec {
+    /// Elements of (input, output) this rank passes. A rank whose role uses no
+    /// input or output (a broadcast receiver's input, a reduce non-root's
+    /// output) gets 0 there.
+    pub fn buffer_elems(&self) -> (usize, usize) {
+        let (n, c, is_root) = (self.world_size, self.count, self.rank == self.root);
+        let at_root = |x: usize| if is_root { x } else { 0 };
+        match self.kind {
+            CollectiveKind::AllReduce => (c, c),
+            CollectiveKind::Broadcast => (at_root(c), c),
+            CollectiveKind::Reduce => (c, at_root(c)),
+            CollectiveKind::AllGather => (c, n * c),
+            CollectiveKind::ReduceScatter => (n * c, c),
+            CollectiveKind::AllToAll => (n * c, n * c),
+            CollectiveKind::Gather => (c, at_root(n * c)),
+            CollectiveKind::Scatter => (at_root(n * c), c),
+            CollectiveKind::Barrier => (0, 0),
+            CollectiveKind::SendRecv => (c, c),
+        }
+    }
+
+    /// Builds this rank's schedule with `algorithm`.
+    pub fn build(&self, algorithm: Algorithm) -> Result<Schedule, String> {
+        let Spec { kind, rank: r, world_size: n, count: c, root, finalize, piece_elems: p } = *self;
+        if n == 0 || r >= n || root >= n {
+            return Err(format!("rank {r}, root {root} and world size {n} are inconsistent"));
+        }
+        Ok(match (kind, algorithm) {
+            (CollectiveKind::AllReduce, Algorithm::Ring) => ring::allreduce(r, n, c, p, finalize),
+            (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
+            (CollectiveKind::ReduceScatter, Algorithm::Ring) => ring::reduce_scatter(r, n, c, p, finalize),
+            (CollectiveKind::Broadcast, Algorithm::BinomialTree) => tree::broadcast(r, n, root, c, p),
+            (CollectiveKind::Reduce, Algorithm::BinomialTree) => tree::reduce(r, n, root, c, p, finalize),
+            (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c),
+            (CollectiveKind::Gather, Algorithm::Linear) => direct::gather(r, n, root, c),
+            (CollectiveKind::Scatter, Algorithm::Linear) => direct::scatter(r, n, root, c),
+            (CollectiveKind::Barrier, Algorithm::Dissemination) => direct::barrier(r, n),
+            (kind, algorithm) => return Err(format!("algorithm {algorithm} does not implement {kind}")),
+        })
+    }
+}

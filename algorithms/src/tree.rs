@@ -1,0 +1,108 @@
+//! Binomial trees rooted anywhere: broadcast and reduce in ⌈log2 n⌉ rounds.
+//! Pieces flow down (or up) the tree independently, so a large buffer is
+//! pipelined across the levels.
+
+use crate::schedule::{pieces, Action, BufId, Builder, Region, Schedule};
+
+/// Parent and children of `rank` in the binomial tree rooted at `root`.
+fn links(rank: usize, n: usize, root: usize) -> (Option<usize>, Vec<usize>) {
+    let v = (rank + n - root) % n;
+    let abs = |x: usize| (x + root) % n;
+    let mut mask = 1;
+    let mut parent = None;
+    while mask < n {
+        if v & mask != 0 {
+            parent = Some(abs(v - mask));
+            break;
+        }
+        mask <<= 1;
+    }
+    // Children are v + m for every power of two m below the bit that names the
+    // parent (all of them for the root), largest subtree first.
+    let mut children = Vec::new();
+    let mut m = mask >> 1;
+    while m > 0 {
+        if v + m < n {
+            children.push(abs(v + m));
+        }
+        m >>= 1;
+    }
+    (parent, children)
+}
+
+/// Broadcast of `count` elements from `root` into every rank's output.
+pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize) -> Schedule {
+    let mut b = Builder::new();
+    let out = Region::new(BufId::Output, 0, count);
+    let (parent, children) = links(rank, n, root);
+    match parent {
+        None => {
+            b.push(Action::Copy { src: Region::new(BufId::Input, 0, count), dst: out });
+        }
+        Some(p) => {
+            for pc in pieces(out, piece) {
+                b.push(Action::Recv { peer: p, dst: pc });
+            }
+        }
+    }
+    for pc in pieces(out, piece) {
+        for &c in &children {
+            b.push(Action::Send { peer: c, src: pc });
+        }
+    }
+    b.finish()
+}
+
+/// Reduce of `count` elements to `root`; non-roots accumulate in scratch.
+pub fn reduce(rank: usize, n: usize, root: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+    let mut b = Builder::new();
+    let input = Region::new(BufId::Input, 0, count);
+    let (parent, children) = links(rank, n, root);
+    let acc = if parent.is_none() {
+        Region::new(BufId::Output, 0, count)
+    } else if children.is_empty() {
+        input
+    } else {
+        b.scratch(count);
+        Region::new(BufId::Scratch, 0, count)
+    };
+    if parent.is_none() && children.is_empty() {
+        b.push(Action::Copy { src: input, dst: acc });
+    }
+    let acc_pieces = pieces(acc, piece);
+    let in_pieces = pieces(input, piece);
+    // Children deliver their subtrees smallest first, so the first to be ready is reduced first.
+    for (ap, ip) in acc_pieces.iter().zip(&in_pieces) {
+        for (i, &c) in children.iter().rev().enumerate() {
+            let local = if i == 0 { Some(*ip) } else { None };
+            b.push(Action::RecvReduce { peer: c, dst: *ap, local });
+        }
+        match parent {
+            Some(p) => {
+                b.push(Action::Send { peer: p, src: *ap });
+            }
+            None if finalize => {
+                b.push(Action::Finalize { dst: *ap });
+            }
+            None => {}
+        }
+    }
+    b.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::links;
+
+    #[test]
+    fn tree_shape() {
+        assert_eq!(links(0, 8, 0), (None, vec![4, 2, 1]));
+        assert_eq!(links(4, 8, 0), (Some(0), vec![6, 5]));
+        assert_eq!(links(5, 8, 0), (Some(4), vec![]));
+        assert_eq!(links(0, 5, 0), (None, vec![4, 2, 1]));
+        assert_eq!(links(2, 5, 0), (Some(0), vec![3]));
+        // rooted at 3: relative ranks shift
+        assert_eq!(links(3, 4, 3), (None, vec![1, 0]));
+        assert_eq!(links(0, 1, 0), (None, vec![]));
+    }
+}
