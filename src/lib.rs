@@ -1,1 +1,36 @@
+//! ccl: a pure-Rust collective communication library.
+//!
+//! Build a [`Communicator`] from the environment (torchrun, OpenMPI, PMI or
+//! Slurm conventions) or from a rank, a world size and a [`Store`], then call
+//! collectives on it:
+//!
+//! ```no_run
+//! use ccl::{Communicator, ReduceOp};
+//! let comm = Communicator::from_env()?;
+//! let mut grad = vec![1.0f32; 1024];
+//! comm.allreduce(&mut grad, ReduceOp::Avg)?;
+//! let work = comm.iallreduce(grad, ReduceOp::Sum); // runs in the background
+//! let grad = work.wait()?;
+//! # Ok::<(), ccl::Error>(())
+//! ```
 
+mod communicator;
+mod engine;
+
+pub use ccl_algorithms::Algorithm;
+pub use ccl_core::{
+    bf16, config, f16, CollectiveKind, Config, DataType, Element, Error, FileStore, HashStore,
+    Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore, TcpStoreServer, Work,
+};
+pub use communicator::{Communicator, Options};
+
+/// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`),
+/// unless the program installed one already.
+pub fn init_tracing(filter: Option<&str>) {
+    if let Some(f) = filter {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(f))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}

@@ -12,14 +12,23 @@ pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
     let mut b = Builder::new();
     let inp = |i: usize| Region::new(BufId::Input, i * count, count);
     let out = |i: usize| Region::new(BufId::Output, i * count, count);
-    b.push(Action::Copy { src: inp(rank), dst: out(rank) });
+    b.push(Action::Copy {
+        src: inp(rank),
+        dst: out(rank),
+    });
     for s in 1..n {
         let to = (rank + s) % n;
-        b.push(Action::Send { peer: to, src: inp(to) });
+        b.push(Action::Send {
+            peer: to,
+            src: inp(to),
+        });
     }
     for s in 1..n {
         let from = (rank + n - s) % n;
-        b.push(Action::Recv { peer: from, dst: out(from) });
+        b.push(Action::Recv {
+            peer: from,
+            dst: out(from),
+        });
     }
     b.finish()
 }
@@ -29,12 +38,21 @@ pub fn gather(rank: usize, n: usize, root: usize, count: usize) -> Schedule {
     let mut b = Builder::new();
     let input = Region::new(BufId::Input, 0, count);
     if rank == root {
-        b.push(Action::Copy { src: input, dst: Region::new(BufId::Output, root * count, count) });
+        b.push(Action::Copy {
+            src: input,
+            dst: Region::new(BufId::Output, root * count, count),
+        });
         for p in (0..n).filter(|&p| p != root) {
-            b.push(Action::Recv { peer: p, dst: Region::new(BufId::Output, p * count, count) });
+            b.push(Action::Recv {
+                peer: p,
+                dst: Region::new(BufId::Output, p * count, count),
+            });
         }
     } else {
-        b.push(Action::Send { peer: root, src: input });
+        b.push(Action::Send {
+            peer: root,
+            src: input,
+        });
     }
     b.finish()
 }
@@ -45,11 +63,20 @@ pub fn scatter(rank: usize, n: usize, root: usize, count: usize) -> Schedule {
     let output = Region::new(BufId::Output, 0, count);
     if rank == root {
         for p in (0..n).filter(|&p| p != root) {
-            b.push(Action::Send { peer: p, src: Region::new(BufId::Input, p * count, count) });
+            b.push(Action::Send {
+                peer: p,
+                src: Region::new(BufId::Input, p * count, count),
+            });
         }
-        b.push(Action::Copy { src: Region::new(BufId::Input, root * count, count), dst: output });
+        b.push(Action::Copy {
+            src: Region::new(BufId::Input, root * count, count),
+            dst: output,
+        });
     } else {
-        b.push(Action::Recv { peer: root, dst: output });
+        b.push(Action::Recv {
+            peer: root,
+            dst: output,
+        });
     }
     b.finish()
 }
@@ -63,8 +90,20 @@ pub fn barrier(rank: usize, n: usize) -> Schedule {
     let mut dist = 1;
     while dist < n {
         let after: Vec<u32> = prev.into_iter().collect();
-        b.push_after(Action::Send { peer: (rank + dist) % n, src: empty }, &after);
-        prev = Some(b.push_after(Action::Recv { peer: (rank + n - dist) % n, dst: empty }, &after));
+        b.push_after(
+            Action::Send {
+                peer: (rank + dist) % n,
+                src: empty,
+            },
+            &after,
+        );
+        prev = Some(b.push_after(
+            Action::Recv {
+                peer: (rank + n - dist) % n,
+                dst: empty,
+            },
+            &after,
+        ));
         dist *= 2;
     }
     b.finish()

@@ -5,20 +5,31 @@
 //! first waiting for its dependencies; all queues run concurrently inside one
 //! task. So while piece k is being reduced, piece k+1 is already arriving and
 //! piece k-1 is on its way out: the pipelining falls out of the dependencies.
+//!
+//! On the first error, receives and ops not yet started are cancelled, but a
+//! send already writing may finish its frame (for at most [`SEND_DRAIN`]), so
+//! that the link is left between frames and can still carry an abort notice.
 
 use std::{
     collections::BTreeMap,
+    future::Future,
     marker::PhantomData,
     pin::pin,
     sync::{
         atomic::{AtomicBool, Ordering},
-        Arc,
+        Arc, Mutex,
     },
+    time::Duration,
 };
 
-use ccl_core::{op, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp, Reduction, Result};
-use futures::future::try_join_all;
+use ccl_core::{
+    op, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp, Reduction, Result,
+};
+use futures::future::{join_all, select, Either};
 use tokio::sync::Notify;
+
+/// How long sends already writing may go on after another op failed.
+pub const SEND_DRAIN: Duration = Duration::from_secs(1);
 
 use crate::schedule::{Action, BufId, Region, Schedule};
 
@@ -92,8 +103,19 @@ impl<'a> IoBuffers<'a> {
     /// Both regions must stay valid, and be touched by nobody else, until the
     /// execution that receives them has finished or been dropped. They must be
     /// the same memory or disjoint.
-    pub unsafe fn from_raw(input: *const u8, input_len: usize, output: *mut u8, output_len: usize) -> IoBuffers<'static> {
-        IoBuffers { input, input_len, output, output_len, _borrow: PhantomData }
+    pub unsafe fn from_raw(
+        input: *const u8,
+        input_len: usize,
+        output: *mut u8,
+        output_len: usize,
+    ) -> IoBuffers<'static> {
+        IoBuffers {
+            input,
+            input_len,
+            output,
+            output_len,
+            _borrow: PhantomData,
+        }
     }
 }
 
@@ -122,7 +144,9 @@ impl Memory<'_> {
     fn check(&self, r: &Region) -> Result<()> {
         let (_, len) = self.base(r.buf);
         if (r.offset + r.len) * self.elem > len {
-            return Err(Error::Internal(format!("schedule region {r:?} is outside its {len}-byte buffer")));
+            return Err(Error::Internal(format!(
+                "schedule region {r:?} is outside its {len}-byte buffer"
+            )));
         }
         Ok(())
     }
@@ -159,6 +183,9 @@ struct Exec<'a> {
     mem: Memory<'a>,
     done: Vec<AtomicBool>,
     progress: Notify,
+    /// The first error; once set, every queue stops.
+    failure: Mutex<Option<Error>>,
+    failed: AtomicBool,
 }
 
 /// Which queue an op runs in.
@@ -178,14 +205,35 @@ fn queue_of(a: &Action) -> Queue {
 }
 
 impl Exec<'_> {
-    async fn wait_for(&self, deps: &[u32]) {
+    /// Waits until `ready()` or a failure; true if ready.
+    async fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
         loop {
             let mut notified = pin!(self.progress.notified());
             notified.as_mut().enable();
-            if deps.iter().all(|&d| self.done[d as usize].load(Ordering::Acquire)) {
-                return;
+            if self.failed.load(Ordering::Acquire) {
+                return false;
+            }
+            if ready() {
+                return true;
             }
             notified.await;
+        }
+    }
+
+    fn fail(&self, e: Error) {
+        let mut first = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if first.is_none() {
+            *first = Some(e);
+        }
+        self.failed.store(true, Ordering::Release);
+        self.progress.notify_waiters();
+    }
+
+    /// Runs `f` unless a failure happens first.
+    async fn unless_failed<T>(&self, f: impl Future<Output = Result<T>>) -> Option<Result<T>> {
+        match select(pin!(f), pin!(self.wait_until(|| false))).await {
+            Either::Left((r, _)) => Some(r),
+            Either::Right(_) => None,
         }
     }
 
@@ -193,35 +241,76 @@ impl Exec<'_> {
         self.links
             .get(peer)
             .and_then(|l| l.as_deref())
-            .ok_or_else(|| Error::Internal(format!("rank {}: no link to rank {peer}", self.call.rank)))
+            .ok_or_else(|| {
+                Error::Internal(format!("rank {}: no link to rank {peer}", self.call.rank))
+            })
     }
 
     fn header(&self, step: u32, len: usize) -> FrameHeader {
-        FrameHeader::data(self.call.comm, self.call.seq, step, len, self.call.fingerprint)
+        FrameHeader::data(
+            self.call.comm,
+            self.call.seq,
+            step,
+            len,
+            self.call.fingerprint,
+        )
     }
 
-    async fn run_queue(&self, ops: &[usize]) -> Result<()> {
+    async fn run_queue(&self, ops: &[usize]) {
         for (step, &i) in ops.iter().enumerate() {
             let op = &self.schedule.ops[i];
-            self.wait_for(&op.deps).await;
-            let step = step as u32;
+            let deps_done = || {
+                op.deps
+                    .iter()
+                    .all(|&d| self.done[d as usize].load(Ordering::Acquire))
+            };
+            if !self.wait_until(deps_done).await {
+                return;
+            }
+            if let Err(e) = self.run_op(op, step as u32).await {
+                return self.fail(e);
+            }
+            self.done[i].store(true, Ordering::Release);
+            self.progress.notify_waiters();
+        }
+    }
+
+    /// Runs one op; `Ok` also when a failure elsewhere cancelled it.
+    async fn run_op(&self, op: &crate::schedule::Op, step: u32) -> Result<()> {
+        {
             // SAFETY (all slices below): the dependencies just awaited order
             // this op after every op that conflicts with its regions.
             match op.action {
                 Action::Send { peer, src } => {
                     let data = unsafe { self.mem.slice(&src) };
-                    self.link(peer)?.send(self.header(step, data.len()), data).await?;
+                    self.link(peer)?
+                        .send(self.header(step, data.len()), data)
+                        .await?;
                 }
                 Action::Recv { peer, dst } => {
                     let into = unsafe { self.mem.slice_mut(&dst) };
-                    self.link(peer)?.recv(self.header(step, into.len()), into).await?;
+                    let link = self.link(peer)?;
+                    self.unless_failed(link.recv(self.header(step, into.len()), into))
+                        .await
+                        .transpose()?;
                 }
                 Action::RecvReduce { peer, dst, local } => {
                     let local = local.filter(|l| self.mem.ptr(l) != self.mem.ptr(&dst));
                     let into = unsafe { self.mem.slice_mut(&dst) };
                     let local = local.map(|l| unsafe { self.mem.slice(&l) });
-                    let reduction = Reduction { op: self.call.op, dtype: self.call.dtype(), local };
-                    self.link(peer)?.recv_reduce(self.header(step, into.len()), into, reduction).await?;
+                    let reduction = Reduction {
+                        op: self.call.op,
+                        dtype: self.call.dtype(),
+                        local,
+                    };
+                    let link = self.link(peer)?;
+                    self.unless_failed(link.recv_reduce(
+                        self.header(step, into.len()),
+                        into,
+                        reduction,
+                    ))
+                    .await
+                    .transpose()?;
                 }
                 Action::Copy { src, dst } => {
                     if self.mem.ptr(&src) != self.mem.ptr(&dst) {
@@ -234,8 +323,6 @@ impl Exec<'_> {
                     op::finalize(self.call.op, self.call.dtype(), buf, self.call.world_size)?;
                 }
             }
-            self.done[i].store(true, Ordering::Release);
-            self.progress.notify_waiters();
         }
         Ok(())
     }
@@ -265,7 +352,9 @@ pub async fn execute(
     for (i, op) in schedule.ops.iter().enumerate() {
         let a = &op.action;
         match *a {
-            Action::Send { src: r, .. } | Action::Recv { dst: r, .. } | Action::Finalize { dst: r } => mem.check(&r)?,
+            Action::Send { src: r, .. }
+            | Action::Recv { dst: r, .. }
+            | Action::Finalize { dst: r } => mem.check(&r)?,
             Action::RecvReduce { dst, local, .. } => {
                 mem.check(&dst)?;
                 if let Some(l) = local {
@@ -287,12 +376,28 @@ pub async fn execute(
         links,
         call,
         mem,
-        done: (0..schedule.ops.len()).map(|_| AtomicBool::new(false)).collect(),
+        done: (0..schedule.ops.len())
+            .map(|_| AtomicBool::new(false))
+            .collect(),
         progress: Notify::new(),
+        failure: Mutex::new(None),
+        failed: AtomicBool::new(false),
     };
-    let name = call.name();
-    try_join_all(queues.values().map(|q| exec.run_queue(q)))
-        .await
-        .map_err(|e| e.in_call(&name))?;
-    Ok(())
+    let all = join_all(queues.values().map(|q| exec.run_queue(q)));
+    let drain = async {
+        exec.wait_until(|| false).await;
+        tokio::time::sleep(SEND_DRAIN).await;
+    };
+    // Either everything finishes (successfully, or with the sends drained
+    // after a failure), or the drain time runs out first.
+    let _ = select(pin!(all), pin!(drain)).await;
+    let failure = exec
+        .failure
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    match failure {
+        Some(e) => Err(e.in_call(&call.name())),
+        None => Ok(()),
+    }
 }

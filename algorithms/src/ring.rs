@@ -39,7 +39,10 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
     let inp = |r: std::ops::Range<usize>| Region::new(BufId::Input, r.start, r.len());
     let out = |r: std::ops::Range<usize>| Region::new(BufId::Output, r.start, r.len());
     if n == 1 {
-        b.push(Action::Copy { src: inp(0..count), dst: out(0..count) });
+        b.push(Action::Copy {
+            src: inp(0..count),
+            dst: out(0..count),
+        });
         return b.finish();
     }
     let blocks = split_even(count, n);
@@ -48,10 +51,18 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
     for s in 0..n - 1 {
         let send_block = blocks[block(rank, s, n)].clone();
         let recv_block = blocks[block(rank, s + 1, n)].clone();
-        let send_src = if s == 0 { inp(send_block) } else { out(send_block) };
+        let send_src = if s == 0 {
+            inp(send_block)
+        } else {
+            out(send_block)
+        };
         let recvs = pieces(out(recv_block), piece)
             .into_iter()
-            .map(|dst| Action::RecvReduce { peer: from, dst, local: Some(Region::new(BufId::Input, dst.offset, dst.len)) })
+            .map(|dst| Action::RecvReduce {
+                peer: from,
+                dst,
+                local: Some(Region::new(BufId::Input, dst.offset, dst.len)),
+            })
             .collect();
         step(&mut b, to, from, pieces(send_src, piece), recvs);
     }
@@ -66,7 +77,10 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
     for s in 0..n - 1 {
         let send_block = blocks[block(right(rank, n), s, n)].clone();
         let recv_block = blocks[block(rank, s, n)].clone();
-        let recvs = pieces(out(recv_block), piece).into_iter().map(|dst| Action::Recv { peer: from, dst }).collect();
+        let recvs = pieces(out(recv_block), piece)
+            .into_iter()
+            .map(|dst| Action::Recv { peer: from, dst })
+            .collect();
         step(&mut b, to, from, pieces(out(send_block), piece), recvs);
     }
     b.finish()
@@ -76,11 +90,23 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
 pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule {
     let mut b = Builder::new();
     let blk = |i: usize| Region::new(BufId::Output, i * count, count);
-    b.push(Action::Copy { src: Region::new(BufId::Input, 0, count), dst: blk(rank) });
+    b.push(Action::Copy {
+        src: Region::new(BufId::Input, 0, count),
+        dst: blk(rank),
+    });
     let (to, from) = (right(rank, n), left(rank, n));
     for s in 0..n.saturating_sub(1) {
-        let recvs = pieces(blk(block(rank, s + 1, n)), piece).into_iter().map(|dst| Action::Recv { peer: from, dst }).collect();
-        step(&mut b, to, from, pieces(blk(block(rank, s, n)), piece), recvs);
+        let recvs = pieces(blk(block(rank, s + 1, n)), piece)
+            .into_iter()
+            .map(|dst| Action::Recv { peer: from, dst })
+            .collect();
+        step(
+            &mut b,
+            to,
+            from,
+            pieces(blk(block(rank, s, n)), piece),
+            recvs,
+        );
     }
     b.finish()
 }
@@ -89,25 +115,42 @@ pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule 
 ///
 /// Partial sums travel through two scratch blocks used in turn, so the
 /// caller's input is never written; the last step reduces into the output.
-pub fn reduce_scatter(rank: usize, n: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+pub fn reduce_scatter(
+    rank: usize,
+    n: usize,
+    count: usize,
+    piece: usize,
+    finalize: bool,
+) -> Schedule {
     let mut b = Builder::new();
     let inp = |i: usize| Region::new(BufId::Input, i * count, count);
     let out = Region::new(BufId::Output, 0, count);
     if n == 1 {
-        b.push(Action::Copy { src: inp(0), dst: out });
+        b.push(Action::Copy {
+            src: inp(0),
+            dst: out,
+        });
     } else {
         b.scratch(2 * count);
         let slot = |s: usize| Region::new(BufId::Scratch, (s % 2) * count, count);
         let (to, from) = (right(rank, n), left(rank, n));
         // At step s send the partial of block rank-s-1, receive block rank-s-2.
         for s in 0..n - 1 {
-            let send = if s == 0 { inp(block(rank, 1, n)) } else { slot(s - 1) };
+            let send = if s == 0 {
+                inp(block(rank, 1, n))
+            } else {
+                slot(s - 1)
+            };
             let recv_blk = block(rank, s + 2, n);
             let dst = if s == n - 2 { out } else { slot(s) };
             let recvs = pieces(dst, piece)
                 .into_iter()
                 .zip(pieces(inp(recv_blk), piece))
-                .map(|(dst, local)| Action::RecvReduce { peer: from, dst, local: Some(local) })
+                .map(|(dst, local)| Action::RecvReduce {
+                    peer: from,
+                    dst,
+                    local: Some(local),
+                })
                 .collect();
             step(&mut b, to, from, pieces(send, piece), recvs);
         }

@@ -97,14 +97,19 @@ impl Action {
     fn writes(&self) -> Option<Region> {
         match *self {
             Action::Send { .. } => None,
-            Action::Recv { dst, .. } | Action::RecvReduce { dst, .. } | Action::Copy { dst, .. } | Action::Finalize { dst } => Some(dst),
+            Action::Recv { dst, .. }
+            | Action::RecvReduce { dst, .. }
+            | Action::Copy { dst, .. }
+            | Action::Finalize { dst } => Some(dst),
         }
     }
 
     /// The peer this op talks to, if any.
     pub fn peer(&self) -> Option<usize> {
         match *self {
-            Action::Send { peer, .. } | Action::Recv { peer, .. } | Action::RecvReduce { peer, .. } => Some(peer),
+            Action::Send { peer, .. }
+            | Action::Recv { peer, .. }
+            | Action::RecvReduce { peer, .. } => Some(peer),
             Action::Copy { .. } | Action::Finalize { .. } => None,
         }
     }
@@ -157,14 +162,20 @@ impl Builder {
         let mut deps: Vec<u32> = extra.to_vec();
         for (i, prev) in self.schedule.ops.iter().enumerate().rev() {
             let pw = prev.action.writes();
-            let conflict = pw.is_some_and(|w| reads.iter().flatten().any(|r| w.overlaps(r)) || write.is_some_and(|x| w.overlaps(&x)))
-                || write.is_some_and(|x| prev.action.reads().iter().flatten().any(|r| r.overlaps(&x)));
+            let conflict = pw.is_some_and(|w| {
+                reads.iter().flatten().any(|r| w.overlaps(r))
+                    || write.is_some_and(|x| w.overlaps(&x))
+            }) || write
+                .is_some_and(|x| prev.action.reads().iter().flatten().any(|r| r.overlaps(&x)));
             if conflict {
                 deps.push(i as u32);
                 // Everything earlier that conflicts with this op also conflicts
                 // with `prev` (which writes all of this op's footprint), so
                 // `prev` already waits for it.
-                let footprint_covered = pw.is_some_and(|w| reads.iter().flatten().all(|r| w.covers(r)) && write.is_none_or(|x| w.covers(&x)));
+                let footprint_covered = pw.is_some_and(|w| {
+                    reads.iter().flatten().all(|r| w.covers(r))
+                        && write.is_none_or(|x| w.covers(&x))
+                });
                 if footprint_covered {
                     break;
                 }
@@ -211,10 +222,22 @@ mod tests {
     #[test]
     fn dependencies_follow_data() {
         let mut b = Builder::new();
-        let r0 = b.push(Action::Recv { peer: 1, dst: Region::new(OUT, 0, 4) });
-        let s0 = b.push(Action::Send { peer: 2, src: Region::new(OUT, 0, 4) });
-        let s1 = b.push(Action::Send { peer: 2, src: Region::new(OUT, 4, 4) });
-        let r1 = b.push(Action::Recv { peer: 1, dst: Region::new(OUT, 2, 4) });
+        let r0 = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(OUT, 0, 4),
+        });
+        let s0 = b.push(Action::Send {
+            peer: 2,
+            src: Region::new(OUT, 0, 4),
+        });
+        let s1 = b.push(Action::Send {
+            peer: 2,
+            src: Region::new(OUT, 4, 4),
+        });
+        let r1 = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(OUT, 2, 4),
+        });
         let s = b.finish();
         assert_eq!(s.ops[s0 as usize].deps, vec![r0]);
         assert!(s.ops[s1 as usize].deps.is_empty());
@@ -225,9 +248,18 @@ mod tests {
     #[test]
     fn input_and_output_may_alias() {
         let mut b = Builder::new();
-        let s = b.push(Action::Send { peer: 1, src: Region::new(IN, 0, 4) });
-        let r = b.push(Action::Recv { peer: 1, dst: Region::new(OUT, 0, 4) });
-        let x = b.push(Action::Recv { peer: 1, dst: Region::new(BufId::Scratch, 0, 4) });
+        let s = b.push(Action::Send {
+            peer: 1,
+            src: Region::new(IN, 0, 4),
+        });
+        let r = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(OUT, 0, 4),
+        });
+        let x = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(BufId::Scratch, 0, 4),
+        });
         let sch = b.finish();
         assert_eq!(sch.ops[r as usize].deps, vec![s]);
         assert!(sch.ops[x as usize].deps.is_empty());
@@ -238,7 +270,10 @@ mod tests {
         assert_eq!(split_even(10, 3), vec![0..3, 3..6, 6..10]);
         assert_eq!(split_even(2, 4), vec![0..0, 0..1, 1..1, 1..2]);
         let p = pieces(Region::new(OUT, 5, 10), 4);
-        assert_eq!(p.iter().map(|r| (r.offset, r.len)).collect::<Vec<_>>(), vec![(5, 4), (9, 4), (13, 2)]);
+        assert_eq!(
+            p.iter().map(|r| (r.offset, r.len)).collect::<Vec<_>>(),
+            vec![(5, 4), (9, 4), (13, 2)]
+        );
         assert_eq!(pieces(Region::new(OUT, 3, 0), 4).len(), 1);
     }
 }

@@ -46,7 +46,9 @@ impl Algorithm {
     /// The algorithms that implement `kind` (none for send/recv, which needs no schedule builder).
     pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
         match kind {
-            CollectiveKind::AllReduce | CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
+            CollectiveKind::AllReduce
+            | CollectiveKind::AllGather
+            | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
             CollectiveKind::AllToAll => &[Algorithm::Pairwise],
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
@@ -70,7 +72,10 @@ impl std::str::FromStr for Algorithm {
             .find(|a| a.name().eq_ignore_ascii_case(s))
             .ok_or_else(|| {
                 let names: Vec<&str> = Algorithm::ALL.iter().map(|a| a.name()).collect();
-                format!("unknown algorithm '{s}' (expected one of {})", names.join(", "))
+                format!(
+                    "unknown algorithm '{s}' (expected one of {})",
+                    names.join(", ")
+                )
             })
     }
 }
@@ -117,21 +122,39 @@ impl Spec {
 
     /// Builds this rank's schedule with `algorithm`.
     pub fn build(&self, algorithm: Algorithm) -> Result<Schedule, String> {
-        let Spec { kind, rank: r, world_size: n, count: c, root, finalize, piece_elems: p } = *self;
+        let Spec {
+            kind,
+            rank: r,
+            world_size: n,
+            count: c,
+            root,
+            finalize,
+            piece_elems: p,
+        } = *self;
         if n == 0 || r >= n || root >= n {
-            return Err(format!("rank {r}, root {root} and world size {n} are inconsistent"));
+            return Err(format!(
+                "rank {r}, root {root} and world size {n} are inconsistent"
+            ));
         }
         Ok(match (kind, algorithm) {
             (CollectiveKind::AllReduce, Algorithm::Ring) => ring::allreduce(r, n, c, p, finalize),
             (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
-            (CollectiveKind::ReduceScatter, Algorithm::Ring) => ring::reduce_scatter(r, n, c, p, finalize),
-            (CollectiveKind::Broadcast, Algorithm::BinomialTree) => tree::broadcast(r, n, root, c, p),
-            (CollectiveKind::Reduce, Algorithm::BinomialTree) => tree::reduce(r, n, root, c, p, finalize),
+            (CollectiveKind::ReduceScatter, Algorithm::Ring) => {
+                ring::reduce_scatter(r, n, c, p, finalize)
+            }
+            (CollectiveKind::Broadcast, Algorithm::BinomialTree) => {
+                tree::broadcast(r, n, root, c, p)
+            }
+            (CollectiveKind::Reduce, Algorithm::BinomialTree) => {
+                tree::reduce(r, n, root, c, p, finalize)
+            }
             (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c),
             (CollectiveKind::Gather, Algorithm::Linear) => direct::gather(r, n, root, c),
             (CollectiveKind::Scatter, Algorithm::Linear) => direct::scatter(r, n, root, c),
             (CollectiveKind::Barrier, Algorithm::Dissemination) => direct::barrier(r, n),
-            (kind, algorithm) => return Err(format!("algorithm {algorithm} does not implement {kind}")),
+            (kind, algorithm) => {
+                return Err(format!("algorithm {algorithm} does not implement {kind}"))
+            }
         })
     }
 }

@@ -1,9 +1,14 @@
 //! Every schedule, run over in-memory links for every world size 1..=16,
 //! checked against results computed directly.
 
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use std::sync::Arc;
 
-use ccl_core::{AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, FrameKind, Link, LinkFuture, ReduceOp, Result};
+use ccl_core::{
+    AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, FrameKind,
+    Link, LinkFuture, ReduceOp, Result,
+};
 use futures::future::join_all;
 use tokio::sync::{mpsc, Mutex};
 
@@ -29,24 +34,34 @@ impl Link for MemLink {
     fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
         Box::pin(async move {
             assert_eq!(header.len as usize, data.len());
-            self.tx.send((header, data.to_vec())).map_err(|_| Error::PeerLost {
-                rank: self.rank,
-                peer: self.peer,
-                call: String::new(),
-                cause: "channel closed".into(),
-            })
+            self.tx
+                .send((header, data.to_vec()))
+                .map_err(|_| Error::PeerLost {
+                    rank: self.rank,
+                    peer: self.peer,
+                    call: String::new(),
+                    cause: "channel closed".into(),
+                })
         })
     }
     fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let (h, data) = self.rx.lock().await.recv().await.ok_or_else(|| Error::PeerLost {
-                rank: self.rank,
-                peer: self.peer,
-                call: String::new(),
-                cause: "channel closed".into(),
-            })?;
+            let (h, data) = self
+                .rx
+                .lock()
+                .await
+                .recv()
+                .await
+                .ok_or_else(|| Error::PeerLost {
+                    rank: self.rank,
+                    peer: self.peer,
+                    call: String::new(),
+                    cause: "channel closed".into(),
+                })?;
             if h.kind == FrameKind::Abort {
-                return Err(AbortNotice::decode(&data).unwrap().into_error(self.rank, self.peer));
+                return Err(AbortNotice::decode(&data)
+                    .unwrap()
+                    .into_error(self.rank, self.peer));
             }
             expect.check_received(&h, self.rank, self.peer)?;
             into.copy_from_slice(&data);
@@ -62,13 +77,24 @@ impl Link for MemLink {
 }
 
 fn mesh(n: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
-    let mut links: Vec<Vec<Option<Arc<dyn Link>>>> = (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+    let mut links: Vec<Vec<Option<Arc<dyn Link>>>> =
+        (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
     for a in 0..n {
         for b in a + 1..n {
             let (ab_tx, ab_rx) = mpsc::unbounded_channel();
             let (ba_tx, ba_rx) = mpsc::unbounded_channel();
-            links[a][b] = Some(Arc::new(MemLink { rank: a, peer: b, tx: ab_tx, rx: Mutex::new(ba_rx) }));
-            links[b][a] = Some(Arc::new(MemLink { rank: b, peer: a, tx: ba_tx, rx: Mutex::new(ab_rx) }));
+            links[a][b] = Some(Arc::new(MemLink {
+                rank: a,
+                peer: b,
+                tx: ab_tx,
+                rx: Mutex::new(ba_rx),
+            }));
+            links[b][a] = Some(Arc::new(MemLink {
+                rank: b,
+                peer: a,
+                tx: ba_tx,
+                rx: Mutex::new(ab_rx),
+            }));
         }
     }
     links
@@ -89,20 +115,50 @@ enum Layout {
 }
 
 /// Runs one collective on every rank; returns each rank's output.
-fn run(kind: CollectiveKind, n: usize, count: usize, root: usize, op: ReduceOp, piece: usize, layout: Layout, dtype: DataType, inputs: &[Vec<u8>]) -> Vec<Vec<u8>> {
+fn run(
+    kind: CollectiveKind,
+    n: usize,
+    count: usize,
+    root: usize,
+    op: ReduceOp,
+    piece: usize,
+    layout: Layout,
+    dtype: DataType,
+    inputs: &[Vec<u8>],
+) -> Vec<Vec<u8>> {
     let links = mesh(n);
     let esz = dtype.size();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let results: Vec<Result<Vec<u8>>> = rt.block_on(join_all((0..n).map(|rank| {
         let links = &links[rank];
         let input = inputs[rank].clone();
         async move {
-            let spec = Spec { kind, rank, world_size: n, count, root, finalize: op == ReduceOp::Avg, piece_elems: piece };
+            let spec = Spec {
+                kind,
+                rank,
+                world_size: n,
+                count,
+                root,
+                finalize: op == ReduceOp::Avg,
+                piece_elems: piece,
+            };
             let (in_elems, out_elems) = spec.buffer_elems();
             assert_eq!(input.len(), in_elems * esz, "{kind} input length");
             let schedule = spec.build(Algorithm::for_kind(kind)[0]).unwrap();
-            let fp = Fingerprint::new(kind, dtype, count).with_op(op).with_root(root);
-            let call = Call { comm: 7, seq: 1, fingerprint: fp, rank, world_size: n, op };
+            let fp = Fingerprint::new(kind, dtype, count)
+                .with_op(op)
+                .with_root(root);
+            let call = Call {
+                comm: 7,
+                seq: 1,
+                fingerprint: fp,
+                rank,
+                world_size: n,
+                op,
+            };
             let mut scratch = AlignedBuf::zeroed(0);
             // Keep memory aligned: copy into an AlignedBuf large enough for both layouts.
             let total = in_elems.max(out_elems) * esz;
@@ -112,7 +168,11 @@ fn run(kind: CollectiveKind, n: usize, count: usize, root: usize, op: ReduceOp, 
                 _ => 0,
             };
             // A rank with no input or no output has nothing to share.
-            let layout = if in_elems == 0 || out_elems == 0 { Layout::OutOfPlace } else { layout };
+            let layout = if in_elems == 0 || out_elems == 0 {
+                Layout::OutOfPlace
+            } else {
+                layout
+            };
             match layout {
                 Layout::OutOfPlace => {
                     let (out, inp) = mem.as_mut_slice().split_at_mut(total);
@@ -125,20 +185,35 @@ fn run(kind: CollectiveKind, n: usize, count: usize, root: usize, op: ReduceOp, 
                     let buf = &mut mem.as_mut_slice()[..total];
                     let (in_off, out_off) = match kind {
                         // the output is block `rank` of the input
-                        CollectiveKind::ReduceScatter | CollectiveKind::Scatter => (0, rank * count * esz),
+                        CollectiveKind::ReduceScatter | CollectiveKind::Scatter => {
+                            (0, rank * count * esz)
+                        }
                         _ => (in_place_offset * esz, 0),
                     };
                     buf[in_off..in_off + input.len()].copy_from_slice(&input);
                     let base = buf.as_mut_ptr();
                     // SAFETY: both regions lie inside `buf`, which outlives the execution.
-                    let io = unsafe { IoBuffers::from_raw(base.add(in_off), input.len(), base.add(out_off), out_elems * esz) };
+                    let io = unsafe {
+                        IoBuffers::from_raw(
+                            base.add(in_off),
+                            input.len(),
+                            base.add(out_off),
+                            out_elems * esz,
+                        )
+                    };
                     execute(&schedule, io, links, &call, &mut scratch).await?;
                     Ok(buf[out_off..out_off + out_elems * esz].to_vec())
                 }
             }
         }
     })));
-    results.into_iter().enumerate().map(|(r, x)| x.unwrap_or_else(|e| panic!("{kind} n={n} count={count} root={root} rank {r}: {e}"))).collect()
+    results
+        .into_iter()
+        .enumerate()
+        .map(|(r, x)| {
+            x.unwrap_or_else(|e| panic!("{kind} n={n} count={count} root={root} rank {r}: {e}"))
+        })
+        .collect()
 }
 
 fn u64s(b: &[u8]) -> Vec<u64> {
@@ -157,7 +232,11 @@ fn counts(n: usize) -> Vec<usize> {
 }
 
 fn piece_for(count: usize) -> usize {
-    if count > 100 { 64 } else { 3 }
+    if count > 100 {
+        64
+    } else {
+        3
+    }
 }
 
 /// Checks one collective for every world size, count, root and layout with u64 sum.
@@ -165,21 +244,46 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
     for n in 1..=16 {
         for count in counts(n) {
             let roots: Vec<usize> = match kind {
-                CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Gather | CollectiveKind::Scatter => (0..n).collect(),
+                CollectiveKind::Broadcast
+                | CollectiveKind::Reduce
+                | CollectiveKind::Gather
+                | CollectiveKind::Scatter => (0..n).collect(),
                 _ => vec![0],
             };
             for &root in &roots {
                 let inputs: Vec<Vec<u8>> = (0..n)
                     .map(|r| {
-                        let spec = Spec { kind, rank: r, world_size: n, count, root, finalize: false, piece_elems: 1 };
+                        let spec = Spec {
+                            kind,
+                            rank: r,
+                            world_size: n,
+                            count,
+                            root,
+                            finalize: false,
+                            piece_elems: 1,
+                        };
                         let len = spec.buffer_elems().0;
                         bytes(&(0..len).map(|i| val(r, i)).collect::<Vec<_>>())
                     })
                     .collect();
                 for layout in [Layout::OutOfPlace, Layout::InPlace] {
-                    let outs = run(kind, n, count, root, ReduceOp::Sum, piece_for(count), layout, DataType::U64, &inputs);
+                    let outs = run(
+                        kind,
+                        n,
+                        count,
+                        root,
+                        ReduceOp::Sum,
+                        piece_for(count),
+                        layout,
+                        DataType::U64,
+                        &inputs,
+                    );
                     for (r, out) in outs.iter().enumerate() {
-                        assert_eq!(u64s(out), expected(n, count, root, r), "{kind} n={n} count={count} root={root} rank={r} {layout:?}");
+                        assert_eq!(
+                            u64s(out),
+                            expected(n, count, root, r),
+                            "{kind} n={n} count={count} root={root} rank={r} {layout:?}"
+                        );
                     }
                 }
             }
@@ -193,50 +297,88 @@ fn sum_at(n: usize, i: usize) -> u64 {
 
 #[test]
 fn allreduce_all_sizes() {
-    check_kind(CollectiveKind::AllReduce, |n, c, _, _| (0..c).map(|i| sum_at(n, i)).collect());
+    check_kind(CollectiveKind::AllReduce, |n, c, _, _| {
+        (0..c).map(|i| sum_at(n, i)).collect()
+    });
 }
 
 #[test]
 fn broadcast_all_sizes_and_roots() {
-    check_kind(CollectiveKind::Broadcast, |_, c, root, _| (0..c).map(|i| val(root, i)).collect());
+    check_kind(CollectiveKind::Broadcast, |_, c, root, _| {
+        (0..c).map(|i| val(root, i)).collect()
+    });
 }
 
 #[test]
 fn reduce_all_sizes_and_roots() {
-    check_kind(CollectiveKind::Reduce, |n, c, root, r| if r == root { (0..c).map(|i| sum_at(n, i)).collect() } else { vec![] });
+    check_kind(CollectiveKind::Reduce, |n, c, root, r| {
+        if r == root {
+            (0..c).map(|i| sum_at(n, i)).collect()
+        } else {
+            vec![]
+        }
+    });
 }
 
 #[test]
 fn allgather_all_sizes() {
-    check_kind(CollectiveKind::AllGather, |n, c, _, _| (0..n).flat_map(|p| (0..c).map(move |i| val(p, i))).collect());
+    check_kind(CollectiveKind::AllGather, |n, c, _, _| {
+        (0..n)
+            .flat_map(|p| (0..c).map(move |i| val(p, i)))
+            .collect()
+    });
 }
 
 #[test]
 fn reduce_scatter_all_sizes() {
-    check_kind(CollectiveKind::ReduceScatter, |n, c, _, r| (0..c).map(|i| sum_at(n, r * c + i)).collect());
+    check_kind(CollectiveKind::ReduceScatter, |n, c, _, r| {
+        (0..c).map(|i| sum_at(n, r * c + i)).collect()
+    });
 }
 
 #[test]
 fn alltoall_all_sizes() {
-    check_kind(CollectiveKind::AllToAll, |n, c, _, r| (0..n).flat_map(|p| (0..c).map(move |i| val(p, r * c + i))).collect());
+    check_kind(CollectiveKind::AllToAll, |n, c, _, r| {
+        (0..n)
+            .flat_map(|p| (0..c).map(move |i| val(p, r * c + i)))
+            .collect()
+    });
 }
 
 #[test]
 fn gather_all_sizes_and_roots() {
     check_kind(CollectiveKind::Gather, |n, c, root, r| {
-        if r == root { (0..n).flat_map(|p| (0..c).map(move |i| val(p, i))).collect() } else { vec![] }
+        if r == root {
+            (0..n)
+                .flat_map(|p| (0..c).map(move |i| val(p, i)))
+                .collect()
+        } else {
+            vec![]
+        }
     });
 }
 
 #[test]
 fn scatter_all_sizes_and_roots() {
-    check_kind(CollectiveKind::Scatter, |_, c, root, r| (0..c).map(|i| val(root, r * c + i)).collect());
+    check_kind(CollectiveKind::Scatter, |_, c, root, r| {
+        (0..c).map(|i| val(root, r * c + i)).collect()
+    });
 }
 
 #[test]
 fn barrier_all_sizes() {
     for n in 1..=16 {
-        let outs = run(CollectiveKind::Barrier, n, 0, 0, ReduceOp::Sum, 1, Layout::OutOfPlace, DataType::U8, &vec![vec![]; n]);
+        let outs = run(
+            CollectiveKind::Barrier,
+            n,
+            0,
+            0,
+            ReduceOp::Sum,
+            1,
+            Layout::OutOfPlace,
+            DataType::U8,
+            &vec![vec![]; n],
+        );
         assert!(outs.iter().all(Vec::is_empty));
     }
 }
@@ -247,7 +389,10 @@ fn every_op_reduces_correctly() {
     for n in [1, 2, 3, 5, 8] {
         let count = 37;
         let ival = |r: usize, i: usize| ((r * 31 + i * 17) % 23) as i32 - 11;
-        for op in ReduceOp::ALL.into_iter().filter(|o| !matches!(o, ReduceOp::PreMulSum(_))) {
+        for op in ReduceOp::ALL
+            .into_iter()
+            .filter(|o| !matches!(o, ReduceOp::PreMulSum(_)))
+        {
             let want: Vec<i32> = (0..count)
                 .map(|i| {
                     let xs = (0..n).map(|r| ival(r, i));
@@ -264,22 +409,77 @@ fn every_op_reduces_correctly() {
                     }
                 })
                 .collect();
-            let inputs: Vec<Vec<u8>> = (0..n).map(|r| bytemuck::cast_slice(&(0..count).map(|i| ival(r, i)).collect::<Vec<i32>>()).to_vec()).collect();
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    bytemuck::cast_slice(&(0..count).map(|i| ival(r, i)).collect::<Vec<i32>>())
+                        .to_vec()
+                })
+                .collect();
             for kind in [CollectiveKind::AllReduce, CollectiveKind::Reduce] {
-                let outs = run(kind, n, count, n - 1, op, 5, Layout::OutOfPlace, DataType::I32, &inputs);
+                let outs = run(
+                    kind,
+                    n,
+                    count,
+                    n - 1,
+                    op,
+                    5,
+                    Layout::OutOfPlace,
+                    DataType::I32,
+                    &inputs,
+                );
                 let got: Vec<i32> = bytemuck::pod_collect_to_vec(&outs[n - 1]);
                 assert_eq!(got, want, "{kind} {op} n={n}");
             }
             let rs_inputs: Vec<Vec<u8>> = (0..n)
-                .map(|r| bytemuck::cast_slice(&(0..n * count).map(|i| ival(r, i % count)).collect::<Vec<i32>>()).to_vec())
+                .map(|r| {
+                    bytemuck::cast_slice(
+                        &(0..n * count)
+                            .map(|i| ival(r, i % count))
+                            .collect::<Vec<i32>>(),
+                    )
+                    .to_vec()
+                })
                 .collect();
-            let outs = run(CollectiveKind::ReduceScatter, n, count, 0, op, 5, Layout::OutOfPlace, DataType::I32, &rs_inputs);
+            let outs = run(
+                CollectiveKind::ReduceScatter,
+                n,
+                count,
+                0,
+                op,
+                5,
+                Layout::OutOfPlace,
+                DataType::I32,
+                &rs_inputs,
+            );
             for out in &outs {
-                assert_eq!(bytemuck::pod_collect_to_vec::<u8, i32>(out), want, "reduce-scatter {op} n={n}");
+                assert_eq!(
+                    bytemuck::pod_collect_to_vec::<u8, i32>(out),
+                    want,
+                    "reduce-scatter {op} n={n}"
+                );
             }
         }
-        let finputs: Vec<Vec<u8>> = (0..n).map(|r| bytemuck::cast_slice(&(0..count).map(|i| (r * i) as f64 + 0.5).collect::<Vec<f64>>()).to_vec()).collect();
-        let outs = run(CollectiveKind::AllReduce, n, count, 0, ReduceOp::Avg, 4, Layout::InPlace, DataType::F64, &finputs);
+        let finputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| {
+                bytemuck::cast_slice(
+                    &(0..count)
+                        .map(|i| (r * i) as f64 + 0.5)
+                        .collect::<Vec<f64>>(),
+                )
+                .to_vec()
+            })
+            .collect();
+        let outs = run(
+            CollectiveKind::AllReduce,
+            n,
+            count,
+            0,
+            ReduceOp::Avg,
+            4,
+            Layout::InPlace,
+            DataType::F64,
+            &finputs,
+        );
         for out in outs {
             let got: Vec<f64> = bytemuck::pod_collect_to_vec(&out);
             for (i, g) in got.iter().enumerate() {
@@ -293,15 +493,34 @@ fn every_op_reduces_correctly() {
 #[test]
 fn mismatched_calls_are_reported() {
     let links = mesh(2);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let outs: Vec<Result<()>> = rt.block_on(join_all((0..2).map(|rank| {
         let links = &links[rank];
         async move {
             let count = 4 + rank;
-            let spec = Spec { kind: CollectiveKind::AllReduce, rank, world_size: 2, count, root: 0, finalize: false, piece_elems: 64 };
+            let spec = Spec {
+                kind: CollectiveKind::AllReduce,
+                rank,
+                world_size: 2,
+                count,
+                root: 0,
+                finalize: false,
+                piece_elems: 64,
+            };
             let schedule = spec.build(Algorithm::Ring).unwrap();
-            let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, count).with_op(ReduceOp::Sum);
-            let call = Call { comm: 1, seq: 3, fingerprint: fp, rank, world_size: 2, op: ReduceOp::Sum };
+            let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, count)
+                .with_op(ReduceOp::Sum);
+            let call = Call {
+                comm: 1,
+                seq: 3,
+                fingerprint: fp,
+                rank,
+                world_size: 2,
+                op: ReduceOp::Sum,
+            };
             let mut inp = AlignedBuf::zeroed(count * 8);
             let mut out = AlignedBuf::zeroed(count * 8);
             let io = IoBuffers::separate(inp.as_mut_slice(), out.as_mut_slice());
@@ -310,9 +529,18 @@ fn mismatched_calls_are_reported() {
     })));
     for (rank, r) in outs.into_iter().enumerate() {
         match r {
-            Err(Error::Mismatch { rank: me, peer, ours, theirs }) => {
+            Err(Error::Mismatch {
+                rank: me,
+                peer,
+                ours,
+                theirs,
+            }) => {
                 assert_eq!((me, peer), (rank, 1 - rank));
-                assert!(ours.contains(&format!("u64×{}", 4 + rank)) && theirs.contains(&format!("u64×{}", 5 - rank)), "{ours} / {theirs}");
+                assert!(
+                    ours.contains(&format!("u64×{}", 4 + rank))
+                        && theirs.contains(&format!("u64×{}", 5 - rank)),
+                    "{ours} / {theirs}"
+                );
             }
             other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
         }
@@ -321,12 +549,37 @@ fn mismatched_calls_are_reported() {
 
 #[test]
 fn bad_schedules_are_rejected_before_running() {
-    let spec = Spec { kind: CollectiveKind::AllReduce, rank: 0, world_size: 2, count: 8, root: 0, finalize: false, piece_elems: 64 };
+    let spec = Spec {
+        kind: CollectiveKind::AllReduce,
+        rank: 0,
+        world_size: 2,
+        count: 8,
+        root: 0,
+        finalize: false,
+        piece_elems: 64,
+    };
     let schedule = spec.build(Algorithm::Ring).unwrap();
-    let call = Call { comm: 1, seq: 1, fingerprint: Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, 8), rank: 0, world_size: 2, op: ReduceOp::Sum };
+    let call = Call {
+        comm: 1,
+        seq: 1,
+        fingerprint: Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, 8),
+        rank: 0,
+        world_size: 2,
+        op: ReduceOp::Sum,
+    };
     let mut small = vec![0u8; 8];
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-    let e = rt.block_on(execute(&schedule, IoBuffers::in_place(&mut small), &mesh(2)[0], &call, &mut AlignedBuf::zeroed(0))).unwrap_err();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let e = rt
+        .block_on(execute(
+            &schedule,
+            IoBuffers::in_place(&mut small),
+            &mesh(2)[0],
+            &call,
+            &mut AlignedBuf::zeroed(0),
+        ))
+        .unwrap_err();
     assert!(matches!(e, Error::Internal(_)), "{e}");
     assert!(Spec { root: 5, ..spec }.build(Algorithm::Ring).is_err());
     assert!(spec.build(Algorithm::BinomialTree).is_err());

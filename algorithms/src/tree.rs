@@ -37,7 +37,10 @@ pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize)
     let (parent, children) = links(rank, n, root);
     match parent {
         None => {
-            b.push(Action::Copy { src: Region::new(BufId::Input, 0, count), dst: out });
+            b.push(Action::Copy {
+                src: Region::new(BufId::Input, 0, count),
+                dst: out,
+            });
         }
         Some(p) => {
             for pc in pieces(out, piece) {
@@ -54,7 +57,14 @@ pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize)
 }
 
 /// Reduce of `count` elements to `root`; non-roots accumulate in scratch.
-pub fn reduce(rank: usize, n: usize, root: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+pub fn reduce(
+    rank: usize,
+    n: usize,
+    root: usize,
+    count: usize,
+    piece: usize,
+    finalize: bool,
+) -> Schedule {
     let mut b = Builder::new();
     let input = Region::new(BufId::Input, 0, count);
     let (parent, children) = links(rank, n, root);
@@ -67,7 +77,10 @@ pub fn reduce(rank: usize, n: usize, root: usize, count: usize, piece: usize, fi
         Region::new(BufId::Scratch, 0, count)
     };
     if parent.is_none() && children.is_empty() {
-        b.push(Action::Copy { src: input, dst: acc });
+        b.push(Action::Copy {
+            src: input,
+            dst: acc,
+        });
     }
     let acc_pieces = pieces(acc, piece);
     let in_pieces = pieces(input, piece);
@@ -75,7 +88,11 @@ pub fn reduce(rank: usize, n: usize, root: usize, count: usize, piece: usize, fi
     for (ap, ip) in acc_pieces.iter().zip(&in_pieces) {
         for (i, &c) in children.iter().rev().enumerate() {
             let local = if i == 0 { Some(*ip) } else { None };
-            b.push(Action::RecvReduce { peer: c, dst: *ap, local });
+            b.push(Action::RecvReduce {
+                peer: c,
+                dst: *ap,
+                local,
+            });
         }
         match parent {
             Some(p) => {

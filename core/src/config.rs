@@ -82,18 +82,23 @@ impl Config {
 
     /// Reads variables through `var` (for tests and embedders).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
-        let num = |k: &str| -> Result<Option<usize>> {
-            match var(k) {
-                None => Ok(None),
-                Some(v) => v
-                    .trim()
-                    .parse::<usize>()
-                    .map(Some)
-                    .map_err(|_| Error::Config(format!("{k}={v:?} is not a non-negative integer"))),
-            }
-        };
+        let num =
+            |k: &str| -> Result<Option<usize>> {
+                match var(k) {
+                    None => Ok(None),
+                    Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+                        Error::Config(format!("{k}={v:?} is not a non-negative integer"))
+                    }),
+                }
+            };
         let conventions: [(Launcher, &str, &str, &str, &str); 4] = [
-            (Launcher::Torchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+            (
+                Launcher::Torchrun,
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+            ),
             (
                 Launcher::OpenMpi,
                 "OMPI_COMM_WORLD_RANK",
@@ -101,8 +106,20 @@ impl Config {
                 "OMPI_COMM_WORLD_LOCAL_RANK",
                 "OMPI_COMM_WORLD_LOCAL_SIZE",
             ),
-            (Launcher::Pmi, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-            (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+            (
+                Launcher::Pmi,
+                "PMI_RANK",
+                "PMI_SIZE",
+                "MPI_LOCALRANKID",
+                "MPI_LOCALNRANKS",
+            ),
+            (
+                Launcher::Slurm,
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "SLURM_LOCALID",
+                "SLURM_NTASKS_PER_NODE",
+            ),
         ];
         let mut found = None;
         for (launcher, r, w, lr, lw) in conventions {
@@ -119,7 +136,9 @@ impl Config {
             return Err(Error::Config("world size is 0".into()));
         }
         if rank >= world_size {
-            return Err(Error::Config(format!("rank {rank} is not below world size {world_size}")));
+            return Err(Error::Config(format!(
+                "rank {rank} is not below world size {world_size}"
+            )));
         }
         let rendezvous = if let Some(path) = var("CCL_STORE_PATH") {
             Rendezvous::File(PathBuf::from(path))
@@ -145,13 +164,17 @@ impl Config {
         };
         let timeout = match var("CCL_TIMEOUT") {
             None => DEFAULT_TIMEOUT,
-            Some(v) => parse_duration(&v)
-                .filter(|d| !d.is_zero())
-                .ok_or_else(|| Error::Config(format!("CCL_TIMEOUT={v:?} is not a duration like 600, 30s or 10m")))?,
+            Some(v) => parse_duration(&v).filter(|d| !d.is_zero()).ok_or_else(|| {
+                Error::Config(format!(
+                    "CCL_TIMEOUT={v:?} is not a duration like 600, 30s or 10m"
+                ))
+            })?,
         };
         let nsocks = num("CCL_NSOCKS")?.unwrap_or(1);
         if !(1..=64).contains(&nsocks) {
-            return Err(Error::Config(format!("CCL_NSOCKS={nsocks} is not within 1..=64")));
+            return Err(Error::Config(format!(
+                "CCL_NSOCKS={nsocks} is not within 1..=64"
+            )));
         }
         Ok(Config {
             rank,
@@ -174,34 +197,87 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
-        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         Config::from_vars(|k| m.get(k).cloned())
     }
 
     #[test]
     fn conventions() {
-        let c = cfg(&[("RANK", "2"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "29500")]).unwrap();
-        assert_eq!((c.launcher, c.rank, c.world_size, c.local_rank), (Launcher::Torchrun, 2, 4, 0));
-        assert_eq!(c.rendezvous, Rendezvous::Tcp { host: "h".into(), port: 29500 });
-        let c = cfg(&[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "3"), ("CCL_STORE_PATH", "/tmp/x")]).unwrap();
-        assert_eq!((c.launcher, c.rank, c.world_size, c.local_rank), (Launcher::OpenMpi, 1, 3, 1));
+        let c = cfg(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.launcher, c.rank, c.world_size, c.local_rank),
+            (Launcher::Torchrun, 2, 4, 0)
+        );
+        assert_eq!(
+            c.rendezvous,
+            Rendezvous::Tcp {
+                host: "h".into(),
+                port: 29500
+            }
+        );
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("CCL_STORE_PATH", "/tmp/x"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.launcher, c.rank, c.world_size, c.local_rank),
+            (Launcher::OpenMpi, 1, 3, 1)
+        );
         assert_eq!(c.rendezvous, Rendezvous::File("/tmp/x".into()));
-        let c = cfg(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap();
+        let c = cfg(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
         assert_eq!(c.launcher, Launcher::Pmi);
-        let c = cfg(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]).unwrap();
+        let c = cfg(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
         assert_eq!((c.launcher, c.rank, c.local_rank), (Launcher::Slurm, 5, 1));
         let c = cfg(&[]).unwrap();
-        assert_eq!((c.launcher, c.world_size, c.rendezvous.clone()), (Launcher::None, 1, Rendezvous::Local));
+        assert_eq!(
+            (c.launcher, c.world_size, c.rendezvous.clone()),
+            (Launcher::None, 1, Rendezvous::Local)
+        );
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
     }
 
     #[test]
     fn bad_values_are_clear_errors() {
         for bad in [
-            vec![("RANK", "4"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")],
+            vec![
+                ("RANK", "4"),
+                ("WORLD_SIZE", "4"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "1"),
+            ],
             vec![("RANK", "x"), ("WORLD_SIZE", "4")],
             vec![("RANK", "0"), ("WORLD_SIZE", "2")],
-            vec![("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")],
+            vec![
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "99999"),
+            ],
             vec![("CCL_TIMEOUT", "soon")],
             vec![("CCL_NSOCKS", "0")],
         ] {

@@ -82,10 +82,10 @@ impl Error {
             Error::PeerLost { call, .. } | Error::Protocol { call, .. } if call.is_empty() => {
                 *call = name.to_string();
             }
-            Error::Timeout { context, .. } | Error::Io { context, .. } => {
-                if !context.contains(name) {
-                    *context = format!("{context} in {name}");
-                }
+            Error::Timeout { context, .. } | Error::Io { context, .. }
+                if !context.contains(name) =>
+            {
+                *context = format!("{context} in {name}");
             }
             _ => {}
         }

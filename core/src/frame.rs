@@ -123,7 +123,10 @@ impl fmt::Display for Fingerprint {
         }
         if matches!(
             self.kind,
-            CollectiveKind::Broadcast | CollectiveKind::Reduce | CollectiveKind::Gather | CollectiveKind::Scatter
+            CollectiveKind::Broadcast
+                | CollectiveKind::Reduce
+                | CollectiveKind::Gather
+                | CollectiveKind::Scatter
         ) {
             write!(f, ", root {}", self.root)?;
         }
@@ -158,7 +161,13 @@ pub struct FrameHeader {
 
 impl FrameHeader {
     /// A data frame header.
-    pub fn data(comm: u64, seq: u64, step: u32, len: usize, fingerprint: Fingerprint) -> FrameHeader {
+    pub fn data(
+        comm: u64,
+        seq: u64,
+        step: u32,
+        len: usize,
+        fingerprint: Fingerprint,
+    ) -> FrameHeader {
         FrameHeader {
             kind: FrameKind::Data,
             comm,
@@ -190,7 +199,10 @@ impl FrameHeader {
     /// Decodes a header; any malformed input is an error message (never a panic).
     pub fn decode(b: &[u8]) -> std::result::Result<FrameHeader, String> {
         if b.len() != HEADER_LEN {
-            return Err(format!("header is {} bytes, expected {HEADER_LEN}", b.len()));
+            return Err(format!(
+                "header is {} bytes, expected {HEADER_LEN}",
+                b.len()
+            ));
         }
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let u64_at = |i: usize| {
@@ -209,7 +221,8 @@ impl FrameHeader {
             2 => FrameKind::Abort,
             k => return Err(format!("unknown frame kind {k}")),
         };
-        let ckind = CollectiveKind::from_u8(b[6]).ok_or_else(|| format!("unknown collective kind {}", b[6]))?;
+        let ckind = CollectiveKind::from_u8(b[6])
+            .ok_or_else(|| format!("unknown collective kind {}", b[6]))?;
         let dtype = DataType::from_u8(b[7]).ok_or_else(|| format!("unknown data type {}", b[7]))?;
         if b[9..12] != [0, 0, 0] || b[36..40] != [0, 0, 0, 0] {
             return Err("reserved header bytes are not zero".into());
@@ -241,7 +254,11 @@ impl FrameHeader {
     pub fn check_received(&self, got: &FrameHeader, rank: usize, peer: usize) -> Result<()> {
         if got.comm != self.comm || got.seq != self.seq || got.fingerprint != self.fingerprint {
             let theirs = if got.comm != self.comm {
-                format!("{} on another communicator ({:#x})", got.call_name(), got.comm)
+                format!(
+                    "{} on another communicator ({:#x})",
+                    got.call_name(),
+                    got.comm
+                )
             } else {
                 got.call_name()
             };
@@ -297,7 +314,10 @@ impl AbortNotice {
         let reason = std::str::from_utf8(&b[4..])
             .map_err(|_| "abort reason is not UTF-8".to_string())?
             .to_string();
-        Ok(AbortNotice { failed_rank, reason })
+        Ok(AbortNotice {
+            failed_rank,
+            reason,
+        })
     }
 
     /// The header of an abort frame carrying this notice.
@@ -356,10 +376,16 @@ mod tests {
         theirs.fingerprint.count = 1000;
         let e = ours.check_received(&theirs, 0, 1).unwrap_err();
         let msg = e.to_string();
-        assert!(msg.contains("f32×1024") && msg.contains("f32×1000") && msg.contains("rank 1"), "{msg}");
+        assert!(
+            msg.contains("f32×1024") && msg.contains("f32×1000") && msg.contains("rank 1"),
+            "{msg}"
+        );
         let mut other_len = ours;
         other_len.len = 1;
-        assert!(matches!(ours.check_received(&other_len, 0, 1), Err(Error::Protocol { .. })));
+        assert!(matches!(
+            ours.check_received(&other_len, 0, 1),
+            Err(Error::Protocol { .. })
+        ));
         assert!(ours.check_received(&ours, 0, 1).is_ok());
     }
 
@@ -374,7 +400,10 @@ mod tests {
         let d = AbortNotice::decode(&enc).unwrap();
         assert_eq!(d.failed_rank, 7);
         assert!(AbortNotice::decode(&[1, 2]).is_err());
-        assert!(matches!(d.into_error(0, 3), Error::PeerLost { peer: 7, .. }));
+        assert!(matches!(
+            d.into_error(0, 3),
+            Error::PeerLost { peer: 7, .. }
+        ));
     }
 
     proptest! {

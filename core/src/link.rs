@@ -50,7 +50,13 @@ pub trait Link: Send + Sync {
         Box::pin(async move {
             let mut scratch = AlignedBuf::zeroed(into.len());
             self.recv(expect, scratch.as_mut_slice()).await?;
-            op::reduce(reduction.op, reduction.dtype, into, reduction.local, scratch.as_slice())
+            op::reduce(
+                reduction.op,
+                reduction.dtype,
+                into,
+                reduction.local,
+                scratch.as_slice(),
+            )
         })
     }
 

@@ -258,15 +258,13 @@ where
 
 /// Casts a byte slice to `T`, or reports which argument was misaligned.
 fn typed<'a, T: bytemuck::Pod>(bytes: &'a [u8], what: &str) -> Result<&'a [T]> {
-    bytemuck::try_cast_slice(bytes).map_err(|e| {
-        Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}"))
-    })
+    bytemuck::try_cast_slice(bytes)
+        .map_err(|e| Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}")))
 }
 
 fn typed_mut<'a, T: bytemuck::Pod>(bytes: &'a mut [u8], what: &str) -> Result<&'a mut [T]> {
-    bytemuck::try_cast_slice_mut(bytes).map_err(|e| {
-        Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}"))
-    })
+    bytemuck::try_cast_slice_mut(bytes)
+        .map_err(|e| Error::Internal(format!("{what} buffer cannot be viewed as elements: {e:?}")))
 }
 
 /// `dst = a ⊕ b` elementwise, with `a = dst` when `a` is `None`.
@@ -274,7 +272,13 @@ fn typed_mut<'a, T: bytemuck::Pod>(bytes: &'a mut [u8], what: &str) -> Result<&'
 /// All slices must have the same length, a multiple of the element size, and
 /// be aligned for the element type. `Avg` and `PreMulSum` combine by summing;
 /// their pre/post steps are [`prescale`] and [`finalize`].
-pub fn reduce(op: ReduceOp, dtype: DataType, dst: &mut [u8], a: Option<&[u8]>, b: &[u8]) -> Result<()> {
+pub fn reduce(
+    op: ReduceOp,
+    dtype: DataType,
+    dst: &mut [u8],
+    a: Option<&[u8]>,
+    b: &[u8],
+) -> Result<()> {
     if b.len() != dst.len() || a.is_some_and(|a| a.len() != dst.len()) {
         return Err(Error::Internal(format!(
             "reduce length mismatch: dst {} a {:?} b {}",
@@ -293,7 +297,12 @@ pub fn reduce(op: ReduceOp, dtype: DataType, dst: &mut [u8], a: Option<&[u8]>, b
                 Some(a) => Some(typed(a, "first operand")?),
                 None => None,
             };
-            $k(c, typed_mut::<$t>(dst, "destination")?, a, typed(b, "second operand")?)
+            $k(
+                c,
+                typed_mut::<$t>(dst, "destination")?,
+                a,
+                typed(b, "second operand")?,
+            )
         }};
     }
     match dtype {
@@ -323,7 +332,9 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
     macro_rules! int {
         ($t:ty) => {{
             let k = s as i64 as $t;
-            typed_mut::<$t>(buf, "buffer")?.iter_mut().for_each(|x| *x = x.wrapping_mul(k));
+            typed_mut::<$t>(buf, "buffer")?
+                .iter_mut()
+                .for_each(|x| *x = x.wrapping_mul(k));
         }};
     }
     match dtype {
@@ -335,8 +346,12 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
         DataType::U64 => int!(u64),
         DataType::F16 => map_half::<f16>(typed_mut(buf, "buffer")?, |x| x * s as f32),
         DataType::Bf16 => map_half::<bf16>(typed_mut(buf, "buffer")?, |x| x * s as f32),
-        DataType::F32 => typed_mut::<f32>(buf, "buffer")?.iter_mut().for_each(|x| *x *= s as f32),
-        DataType::F64 => typed_mut::<f64>(buf, "buffer")?.iter_mut().for_each(|x| *x *= s),
+        DataType::F32 => typed_mut::<f32>(buf, "buffer")?
+            .iter_mut()
+            .for_each(|x| *x *= s as f32),
+        DataType::F64 => typed_mut::<f64>(buf, "buffer")?
+            .iter_mut()
+            .for_each(|x| *x *= s),
     }
     Ok(())
 }
@@ -351,7 +366,9 @@ pub fn finalize(op: ReduceOp, dtype: DataType, buf: &mut [u8], world_size: usize
     macro_rules! int {
         ($t:ty) => {{
             let d = n as $t;
-            typed_mut::<$t>(buf, "buffer")?.iter_mut().for_each(|x| *x /= d);
+            typed_mut::<$t>(buf, "buffer")?
+                .iter_mut()
+                .for_each(|x| *x /= d);
         }};
     }
     match dtype {
@@ -363,8 +380,12 @@ pub fn finalize(op: ReduceOp, dtype: DataType, buf: &mut [u8], world_size: usize
         DataType::U64 => int!(u64),
         DataType::F16 => map_half::<f16>(typed_mut(buf, "buffer")?, |x| x / n as f32),
         DataType::Bf16 => map_half::<bf16>(typed_mut(buf, "buffer")?, |x| x / n as f32),
-        DataType::F32 => typed_mut::<f32>(buf, "buffer")?.iter_mut().for_each(|x| *x /= n as f32),
-        DataType::F64 => typed_mut::<f64>(buf, "buffer")?.iter_mut().for_each(|x| *x /= n as f64),
+        DataType::F32 => typed_mut::<f32>(buf, "buffer")?
+            .iter_mut()
+            .for_each(|x| *x /= n as f32),
+        DataType::F64 => typed_mut::<f64>(buf, "buffer")?
+            .iter_mut()
+            .for_each(|x| *x /= n as f64),
     }
     Ok(())
 }
@@ -404,7 +425,14 @@ mod tests {
             (ReduceOp::BitXor, [1 ^ 3, 2 ^ -4, 3 ^ 5, 4 ^ i32::MAX]),
         ] {
             let mut d = [1i32, 2, 3, 4];
-            reduce(op, DataType::I32, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+            reduce(
+                op,
+                DataType::I32,
+                bytemuck::cast_slice_mut(&mut d),
+                None,
+                bytes(&b),
+            )
+            .unwrap();
             assert_eq!(d, want, "{op}");
         }
     }
@@ -414,7 +442,14 @@ mod tests {
         let a = [1.5f64, -2.0];
         let b = [2.0f64, 8.0];
         let mut d = [0f64; 2];
-        reduce(ReduceOp::Max, DataType::F64, bytemuck::cast_slice_mut(&mut d), Some(bytes(&a)), bytes(&b)).unwrap();
+        reduce(
+            ReduceOp::Max,
+            DataType::F64,
+            bytemuck::cast_slice_mut(&mut d),
+            Some(bytes(&a)),
+            bytes(&b),
+        )
+        .unwrap();
         assert_eq!(d, [2.0, 8.0]);
         assert_eq!(a, [1.5, -2.0]);
     }
@@ -424,22 +459,40 @@ mod tests {
         // 1 + 2^-11 is not representable in f16, but 2048 + 1 + 1 stepwise
         // must match f32 arithmetic rounded once per step.
         let mut d: Vec<f16> = (0..1000).map(|i| f16::from_f32(i as f32 * 0.37)).collect();
-        let b: Vec<f16> = (0..1000).map(|i| f16::from_f32(1.0 - i as f32 * 0.11)).collect();
+        let b: Vec<f16> = (0..1000)
+            .map(|i| f16::from_f32(1.0 - i as f32 * 0.11))
+            .collect();
         let want: Vec<f16> = d
             .iter()
             .zip(&b)
             .map(|(x, y)| f16::from_f32(x.to_f32() + y.to_f32()))
             .collect();
-        reduce(ReduceOp::Sum, DataType::F16, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+        reduce(
+            ReduceOp::Sum,
+            DataType::F16,
+            bytemuck::cast_slice_mut(&mut d),
+            None,
+            bytes(&b),
+        )
+        .unwrap();
         assert_eq!(d, want);
         let mut d: Vec<bf16> = (0..700).map(|i| bf16::from_f32(i as f32 * 1.3)).collect();
-        let b: Vec<bf16> = (0..700).map(|i| bf16::from_f32(-(i as f32) * 0.7)).collect();
+        let b: Vec<bf16> = (0..700)
+            .map(|i| bf16::from_f32(-(i as f32) * 0.7))
+            .collect();
         let want: Vec<bf16> = d
             .iter()
             .zip(&b)
             .map(|(x, y)| bf16::from_f32(x.to_f32().min(y.to_f32())))
             .collect();
-        reduce(ReduceOp::Min, DataType::Bf16, bytemuck::cast_slice_mut(&mut d), None, bytes(&b)).unwrap();
+        reduce(
+            ReduceOp::Min,
+            DataType::Bf16,
+            bytemuck::cast_slice_mut(&mut d),
+            None,
+            bytes(&b),
+        )
+        .unwrap();
         assert_eq!(d, want);
     }
 
@@ -453,20 +506,45 @@ mod tests {
         }
         assert!(ReduceOp::PreMulSum(0.5).validate(DataType::I32).is_err());
         assert!(ReduceOp::PreMulSum(0.5).validate(DataType::F32).is_ok());
-        assert!(ReduceOp::PreMulSum(f64::NAN).validate(DataType::F32).is_err());
+        assert!(ReduceOp::PreMulSum(f64::NAN)
+            .validate(DataType::F32)
+            .is_err());
     }
 
     #[test]
     fn prescale_and_finalize() {
         let mut v = [2.0f32, 4.0];
-        prescale(ReduceOp::PreMulSum(0.5), DataType::F32, bytemuck::cast_slice_mut(&mut v)).unwrap();
+        prescale(
+            ReduceOp::PreMulSum(0.5),
+            DataType::F32,
+            bytemuck::cast_slice_mut(&mut v),
+        )
+        .unwrap();
         assert_eq!(v, [1.0, 2.0]);
-        finalize(ReduceOp::Avg, DataType::F32, bytemuck::cast_slice_mut(&mut v), 4).unwrap();
+        finalize(
+            ReduceOp::Avg,
+            DataType::F32,
+            bytemuck::cast_slice_mut(&mut v),
+            4,
+        )
+        .unwrap();
         assert_eq!(v, [0.25, 0.5]);
         let mut i = [7i64, -7];
-        finalize(ReduceOp::Avg, DataType::I64, bytemuck::cast_slice_mut(&mut i), 2).unwrap();
+        finalize(
+            ReduceOp::Avg,
+            DataType::I64,
+            bytemuck::cast_slice_mut(&mut i),
+            2,
+        )
+        .unwrap();
         assert_eq!(i, [3, -3]);
-        finalize(ReduceOp::Sum, DataType::I64, bytemuck::cast_slice_mut(&mut i), 2).unwrap();
+        finalize(
+            ReduceOp::Sum,
+            DataType::I64,
+            bytemuck::cast_slice_mut(&mut i),
+            2,
+        )
+        .unwrap();
         assert_eq!(i, [3, -3]);
     }
 
@@ -475,7 +553,10 @@ mod tests {
         for op in ReduceOp::ALL {
             assert_eq!(op.name().parse::<ReduceOp>().unwrap().tag(), op.tag());
         }
-        assert_eq!("premulsum(2.5)".parse::<ReduceOp>().unwrap(), ReduceOp::PreMulSum(2.5));
+        assert_eq!(
+            "premulsum(2.5)".parse::<ReduceOp>().unwrap(),
+            ReduceOp::PreMulSum(2.5)
+        );
         assert!("median".parse::<ReduceOp>().is_err());
     }
 

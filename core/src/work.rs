@@ -142,9 +142,11 @@ impl<T> Work<T> {
 }
 
 fn take<T>(st: &mut State<T>) -> Result<T> {
-    st.result
-        .take()
-        .unwrap_or_else(|| Err(Error::InvalidArgument("the result of this Work was already taken".into())))
+    st.result.take().unwrap_or_else(|| {
+        Err(Error::InvalidArgument(
+            "the result of this Work was already taken".into(),
+        ))
+    })
 }
 
 impl<T> Future for Work<T> {

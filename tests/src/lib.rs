@@ -1,1 +1,142 @@
+//! Harness for ccl's multi-process tests: launches N real processes of a
+//! worker binary with torchrun-style variables and collects what they did.
 
+use std::{
+    io::Read,
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+/// What one rank's process did.
+#[derive(Debug)]
+pub struct RankOutput {
+    pub rank: usize,
+    /// Exit code; `None` if killed by a signal.
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    /// When it exited, counted from the launch.
+    pub elapsed: Duration,
+}
+
+impl RankOutput {
+    /// Everything the rank printed.
+    pub fn text(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// A port on 127.0.0.1 that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
+
+/// Runs `program args` as ranks 0..n with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+/// `MASTER_ADDR`, `MASTER_PORT` set, plus `env`. Kills every rank still running
+/// after `deadline` and reports it as killed.
+pub fn launch(
+    program: &str,
+    args: &[&str],
+    n: usize,
+    env: &[(&str, String)],
+    deadline: Duration,
+) -> Vec<RankOutput> {
+    let port = free_port().to_string();
+    let start = Instant::now();
+    let mut children: Vec<(
+        Child,
+        thread::JoinHandle<String>,
+        thread::JoinHandle<String>,
+    )> = (0..n)
+        .map(|rank| {
+            let mut cmd = Command::new(program);
+            cmd.args(args)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            let mut child = cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+            let mut out = child.stdout.take().unwrap();
+            let mut err = child.stderr.take().unwrap();
+            let o = thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            });
+            let e = thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                s
+            });
+            (child, o, e)
+        })
+        .collect();
+    let mut status: Vec<Option<(Option<i32>, Duration)>> = vec![None; n];
+    while status.iter().any(Option::is_none) {
+        for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+            if status[rank].is_none() {
+                if let Ok(Some(s)) = child.try_wait() {
+                    status[rank] = Some((s.code(), start.elapsed()));
+                }
+            }
+        }
+        if start.elapsed() > deadline {
+            for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+                if status[rank].is_none() {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    status[rank] = Some((None, start.elapsed()));
+                }
+            }
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    children
+        .into_iter()
+        .zip(status)
+        .enumerate()
+        .map(|(rank, ((_, o, e), s))| {
+            let (code, elapsed) = s.unwrap();
+            RankOutput {
+                rank,
+                code,
+                stdout: o.join().unwrap_or_default(),
+                stderr: e.join().unwrap_or_default(),
+                elapsed,
+            }
+        })
+        .collect()
+}
+
+/// Panics with every rank's output unless all ranks exited 0.
+pub fn assert_all_ok(outputs: &[RankOutput], what: &str) {
+    if outputs.iter().all(|o| o.code == Some(0)) {
+        return;
+    }
+    let mut msg = format!("{what}: not every rank succeeded\n");
+    for o in outputs {
+        msg += &format!(
+            "--- rank {} exit {:?} after {:?}\n{}\n",
+            o.rank,
+            o.code,
+            o.elapsed,
+            o.text()
+        );
+    }
+    panic!("{msg}");
+}

@@ -33,7 +33,9 @@ pub(crate) fn parse_counter(key: &str, value: &[u8]) -> Result<i64> {
     std::str::from_utf8(value)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| Error::InvalidArgument(format!("store key '{key}' does not hold an integer")))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!("store key '{key}' does not hold an integer"))
+        })
 }
 
 impl Store for HashStore {
@@ -51,7 +53,11 @@ impl Store for HashStore {
         let deadline = Instant::now() + timeout;
         let mut map = self.lock();
         loop {
-            let missing: Vec<&str> = keys.iter().copied().filter(|k| !map.contains_key(*k)).collect();
+            let missing: Vec<&str> = keys
+                .iter()
+                .copied()
+                .filter(|k| !map.contains_key(*k))
+                .collect();
             if missing.is_empty() {
                 return Ok(());
             }
@@ -63,7 +69,11 @@ impl Store for HashStore {
                     after: timeout,
                 });
             }
-            map = self.changed.wait_timeout(map, left).unwrap_or_else(|p| p.into_inner()).0;
+            map = self
+                .changed
+                .wait_timeout(map, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 

@@ -1,0 +1,1069 @@
+//! `Communicator`: a group of ranks and every collective over it.
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use ccl_algorithms::{Action, Algorithm, BufId, Builder, Call, IoBuffers, Region, Schedule, Spec};
+use ccl_core::{
+    op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
+    HashStore, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore, Work,
+};
+use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
+
+use crate::engine::{Engine, Job};
+
+/// Largest piece one send or receive moves; larger buffers are pipelined in pieces.
+const PIECE_BYTES: usize = 512 * 1024;
+/// Schedules kept per communicator for repeated calls.
+const SCHEDULE_CACHE: usize = 64;
+
+/// How a communicator connects, beyond rank, size and store.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Deadline of every wait (set-up and each call).
+    pub timeout: Duration,
+    /// TCP sockets per peer.
+    pub nsocks: usize,
+    /// Network interface whose address links use.
+    pub interface: Option<String>,
+    /// Local address links use when no interface is named (default: loopback).
+    pub local_ip: Option<std::net::IpAddr>,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            timeout: ccl_core::config::DEFAULT_TIMEOUT,
+            nsocks: 1,
+            interface: None,
+            local_ip: None,
+        }
+    }
+}
+
+impl Options {
+    /// The knobs of a [`Config`] read from the environment.
+    pub fn from_config(config: &Config) -> Options {
+        let local_ip = match &config.rendezvous {
+            Rendezvous::Tcp { host, port } => route_to(host, *port),
+            _ => None,
+        };
+        Options {
+            timeout: config.timeout,
+            nsocks: config.nsocks,
+            interface: config.socket_ifname.clone(),
+            local_ip,
+        }
+    }
+}
+
+/// A stable 64-bit hash (FNV-1a) of a communicator's store prefix: its id on the wire.
+fn comm_id(prefix: &str) -> u64 {
+    prefix.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// What a cached schedule depends on besides the communicator: kind, count, root, finalize.
+type ScheduleKey = (CollectiveKind, usize, usize, bool);
+
+/// One call's arguments, before they become a schedule.
+#[derive(Clone, Copy, Debug)]
+struct Request {
+    kind: CollectiveKind,
+    dtype: DataType,
+    count: usize,
+    op: ReduceOp,
+    root: usize,
+}
+
+/// A group of ranks that run collectives together.
+///
+/// Calls run in the order they are issued on each rank, and every rank must
+/// issue the same calls in the same order (as with NCCL and MPI). Blocking
+/// methods borrow buffers; `i`-prefixed methods take ownership, return a
+/// [`Work`] at once, and hand the buffers back when it completes.
+/// A `Communicator` may be shared between threads.
+pub struct Communicator {
+    rank: usize,
+    world_size: usize,
+    store: Arc<dyn Store>,
+    prefix: String,
+    options: Options,
+    engine: Option<Engine>,
+    comm: u64,
+    /// Collective sequence number; taken under `submit_lock` so that numbers follow queue order.
+    seq: AtomicU64,
+    submit_lock: Mutex<()>,
+    /// Point-to-point sequence numbers per (peer, direction).
+    p2p_seq: Mutex<HashMap<(usize, bool), u64>>,
+    splits: AtomicU64,
+    schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Communicator(rank {} of {}, '{}')",
+            self.rank, self.world_size, self.prefix
+        )
+    }
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (torchrun, OpenMPI, PMI or
+    /// Slurm variables, `MASTER_ADDR`/`MASTER_PORT` or `CCL_STORE_PATH`, and `CCL_*` knobs).
+    pub fn from_env() -> Result<Communicator> {
+        let config = Config::from_env()?;
+        Communicator::from_config(&config)
+    }
+
+    /// Joins the job that `config` describes.
+    pub fn from_config(config: &Config) -> Result<Communicator> {
+        crate::init_tracing(config.debug.as_deref());
+        let store: Arc<dyn Store> = match &config.rendezvous {
+            Rendezvous::Tcp { host, port } if config.rank == 0 => {
+                Arc::new(TcpStore::serve(host, *port, config.timeout)?)
+            }
+            Rendezvous::Tcp { host, port } => {
+                Arc::new(TcpStore::connect(host, *port, config.timeout)?)
+            }
+            Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
+            Rendezvous::Local => Arc::new(HashStore::new()),
+        };
+        Communicator::new(
+            config.rank,
+            config.world_size,
+            store,
+            Options::from_config(config),
+        )
+    }
+
+    /// Builds rank `rank` of a communicator of `world_size` ranks that meet through `store`.
+    /// Every rank calls this; it returns once this rank is connected to all others.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        store: Arc<dyn Store>,
+        options: Options,
+    ) -> Result<Communicator> {
+        Communicator::with_prefix(rank, world_size, store, "ccl".to_string(), options)
+    }
+
+    fn with_prefix(
+        rank: usize,
+        world_size: usize,
+        store: Arc<dyn Store>,
+        prefix: String,
+        options: Options,
+    ) -> Result<Communicator> {
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is not below world size {world_size}"
+            )));
+        }
+        if options.nsocks == 0 {
+            return Err(Error::InvalidArgument("nsocks must be at least 1".into()));
+        }
+        let started = Instant::now();
+        let comm = comm_id(&prefix);
+        let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(store.clone(), prefix.clone()));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io("creating the I/O runtime", e))?;
+        let tcp = TcpOptions {
+            nsocks: options.nsocks,
+            interface: options.interface.clone(),
+            local_ip: options.local_ip,
+            timeout: options.timeout,
+        };
+        let links = if world_size > 1 {
+            runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?
+        } else {
+            vec![None]
+        };
+        tracing::info!(
+            rank,
+            world_size,
+            prefix,
+            "connected to {} peers over TCP in {:?}",
+            world_size - 1,
+            started.elapsed()
+        );
+        let engine = Engine::start(rank, runtime, links, scoped)?;
+        Ok(Communicator {
+            rank,
+            world_size,
+            store,
+            prefix,
+            options,
+            engine: Some(engine),
+            comm,
+            seq: AtomicU64::new(0),
+            submit_lock: Mutex::new(()),
+            p2p_seq: Mutex::new(HashMap::new()),
+            splits: AtomicU64::new(0),
+            schedules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This rank, in `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The error that broke this communicator, if a call failed.
+    /// A broken communicator fails every call; build a new one to go on.
+    pub fn broken(&self) -> Option<Error> {
+        self.engine.as_ref().and_then(Engine::broken_cause)
+    }
+
+    fn engine(&self) -> &Engine {
+        self.engine
+            .as_ref()
+            .expect("engine lives as long as the communicator")
+    }
+
+    // ---- validation -------------------------------------------------------
+
+    fn check_root(&self, root: usize, call: &str) -> Result<()> {
+        if root >= self.world_size {
+            return Err(Error::InvalidArgument(format!(
+                "{call}: root {root} is not below world size {}",
+                self.world_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_op(&self, op: ReduceOp, dtype: DataType, call: &str) -> Result<()> {
+        op.validate(dtype).map_err(|e| match e {
+            Error::InvalidArgument(m) => Error::InvalidArgument(format!("{call}: {m}")),
+            e => e,
+        })
+    }
+
+    fn check_len(&self, call: &str, what: &str, got: usize, want: usize) -> Result<()> {
+        if got != want {
+            return Err(Error::InvalidArgument(format!(
+                "{call} on rank {}: {what} has {got} elements, expected {want}",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
+    fn split_count(&self, call: &str, len: usize) -> Result<usize> {
+        if len % self.world_size != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{call} on rank {}: buffer of {len} elements does not divide into {} equal blocks",
+                self.rank, self.world_size
+            )));
+        }
+        Ok(len / self.world_size)
+    }
+
+    // ---- submission -------------------------------------------------------
+
+    fn schedule(&self, req: &Request) -> Result<Arc<Schedule>> {
+        let finalize = req.op == ReduceOp::Avg;
+        let key = (req.kind, req.count, req.root, finalize);
+        let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = cache.get(&key) {
+            return Ok(s.clone());
+        }
+        let spec = Spec {
+            kind: req.kind,
+            rank: self.rank,
+            world_size: self.world_size,
+            count: req.count,
+            root: req.root,
+            finalize,
+            piece_elems: (PIECE_BYTES / req.dtype.size()).max(1),
+        };
+        let algorithm: Algorithm = Algorithm::for_kind(req.kind)[0];
+        let schedule = Arc::new(spec.build(algorithm).map_err(Error::Internal)?);
+        if cache.len() >= SCHEDULE_CACHE {
+            cache.clear();
+        }
+        cache.insert(key, schedule.clone());
+        Ok(schedule)
+    }
+
+    fn fingerprint(req: &Request) -> Fingerprint {
+        let fp = Fingerprint::new(req.kind, req.dtype, req.count).with_root(req.root);
+        match req.kind {
+            CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::ReduceScatter => {
+                fp.with_op(req.op)
+            }
+            _ => fp,
+        }
+    }
+
+    /// Queues a collective; `done` gets the result once `io` is no longer touched.
+    fn submit(
+        &self,
+        req: Request,
+        io: IoBuffers<'static>,
+        done: Box<dyn FnOnce(Result<()>) + Send>,
+    ) {
+        let schedule = match self.schedule(&req) {
+            Ok(s) => s,
+            Err(e) => return done(Err(e)),
+        };
+        let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let call = Call {
+            comm: self.comm,
+            seq,
+            fingerprint: Self::fingerprint(&req),
+            rank: self.rank,
+            world_size: self.world_size,
+            op: req.op,
+        };
+        self.engine().submit(Job {
+            schedule,
+            call,
+            io,
+            deadline: self.options.timeout,
+            lane: None,
+            done,
+        });
+    }
+
+    /// Queues a point-to-point transfer (`send` true: to `peer`, else from `peer`).
+    fn submit_p2p(
+        &self,
+        dtype: DataType,
+        count: usize,
+        peer: usize,
+        send: bool,
+        io: IoBuffers<'static>,
+        done: Box<dyn FnOnce(Result<()>) + Send>,
+    ) {
+        let region = Region::new(if send { BufId::Input } else { BufId::Output }, 0, count);
+        let mut b = Builder::new();
+        b.push(if send {
+            Action::Send { peer, src: region }
+        } else {
+            Action::Recv { peer, dst: region }
+        });
+        let schedule = Arc::new(b.finish());
+        let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let seq = {
+            let mut seqs = self.p2p_seq.lock().unwrap_or_else(|p| p.into_inner());
+            let s = seqs.entry((peer, send)).or_insert(0);
+            *s += 1;
+            *s
+        };
+        let call = Call {
+            comm: self.comm,
+            seq,
+            fingerprint: Fingerprint::new(CollectiveKind::SendRecv, dtype, count),
+            rank: self.rank,
+            world_size: self.world_size,
+            op: ReduceOp::Sum,
+        };
+        self.engine().submit(Job {
+            schedule,
+            call,
+            io,
+            deadline: self.options.timeout,
+            lane: Some((peer, send)),
+            done,
+        });
+    }
+
+    /// Runs a call on borrowed memory and waits for it.
+    fn run_borrowed(
+        &self,
+        io: IoBuffers<'_>,
+        start: impl FnOnce(IoBuffers<'static>, Box<dyn FnOnce(Result<()>) + Send>),
+    ) -> Result<()> {
+        let (work, completer) = work_pair::<()>();
+        // SAFETY: the borrow outlives every access to it: we block below until
+        // the engine reports completion, which it does only after the
+        // execution touching `io` has finished or been dropped (every job has
+        // a deadline; a job dropped unrun completes with an error).
+        let io: IoBuffers<'static> =
+            unsafe { std::mem::transmute::<IoBuffers<'_>, IoBuffers<'static>>(io) };
+        start(io, Box::new(move |r| completer.complete(r)));
+        work.wait()
+    }
+
+    fn blocking<T: Element>(
+        &self,
+        req: Request,
+        input: Option<&[T]>,
+        output: &mut [T],
+    ) -> Result<()> {
+        let out: &mut [u8] = bytemuck::cast_slice_mut(output);
+        let io = match input {
+            Some(i) => IoBuffers::separate(bytemuck::cast_slice(i), out),
+            None => IoBuffers::in_place(out),
+        };
+        self.run_borrowed(io, |io, done| self.submit(req, io, done))
+    }
+
+    /// Runs `req` with `input` (or in place) and `output` given as sub-slices of
+    /// one buffer: `input_range` and `output_range` in elements of `buf`.
+    fn blocking_within<T: Element>(
+        &self,
+        req: Request,
+        buf: &mut [T],
+        input_range: std::ops::Range<usize>,
+        output_range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(buf);
+        let s = T::DTYPE.size();
+        let base = bytes.as_mut_ptr();
+        // SAFETY: both ranges lie within `buf`, borrowed mutably for this call;
+        // the schedules for these calls read the input part only before the
+        // output part overlapping it is written (see ccl-algorithms' tests).
+        let io = unsafe {
+            IoBuffers::from_raw(
+                base.add(input_range.start * s),
+                input_range.len() * s,
+                base.add(output_range.start * s),
+                output_range.len() * s,
+            )
+        };
+        let _borrow = bytes;
+        self.run_borrowed(io, |io, done| self.submit(req, io, done))
+    }
+
+    /// Pre-multiplies a copy of the input for `PreMulSum`; other ops need none.
+    fn premultiplied<T: Element>(op: ReduceOp, input: &[T]) -> Result<Option<Vec<T>>> {
+        if !matches!(op, ReduceOp::PreMulSum(_)) {
+            return Ok(None);
+        }
+        let mut v = input.to_vec();
+        op::prescale(op, T::DTYPE, bytemuck::cast_slice_mut(&mut v))?;
+        Ok(Some(v))
+    }
+
+    fn req<T: Element>(kind: CollectiveKind, count: usize, op: ReduceOp, root: usize) -> Request {
+        Request {
+            kind,
+            dtype: T::DTYPE,
+            count,
+            op,
+            root,
+        }
+    }
+
+    // ---- allreduce --------------------------------------------------------
+
+    /// Reduces `buf` across all ranks, in place: every rank gets the result.
+    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.check_op(op, T::DTYPE, "allreduce")?;
+        let req = Self::req::<T>(CollectiveKind::AllReduce, buf.len(), op, 0);
+        match Self::premultiplied(op, buf)? {
+            Some(scaled) => self.blocking(req, Some(&scaled), buf),
+            None => self.blocking(req, None, buf),
+        }
+    }
+
+    /// Reduces `input` across all ranks into `output` (same length).
+    pub fn allreduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_op(op, T::DTYPE, "allreduce")?;
+        self.check_len("allreduce", "output", output.len(), input.len())?;
+        let req = Self::req::<T>(CollectiveKind::AllReduce, input.len(), op, 0);
+        match Self::premultiplied(op, input)? {
+            Some(scaled) => self.blocking(req, Some(&scaled), output),
+            None => self.blocking(req, Some(input), output),
+        }
+    }
+
+    // ---- broadcast --------------------------------------------------------
+
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root(root, "broadcast")?;
+        self.blocking(
+            Self::req::<T>(CollectiveKind::Broadcast, buf.len(), ReduceOp::Sum, root),
+            None,
+            buf,
+        )
+    }
+
+    /// Copies `root`'s `input` into every rank's `output`; `input` is read on the root only.
+    pub fn broadcast_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(root, "broadcast")?;
+        let input = if self.rank == root {
+            self.check_len("broadcast", "output", output.len(), input.len())?;
+            input
+        } else {
+            &[]
+        };
+        self.blocking(
+            Self::req::<T>(CollectiveKind::Broadcast, output.len(), ReduceOp::Sum, root),
+            Some(input),
+            output,
+        )
+    }
+
+    // ---- reduce -----------------------------------------------------------
+
+    /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' `buf` is left as it was.
+    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+        self.check_root(root, "reduce")?;
+        self.check_op(op, T::DTYPE, "reduce")?;
+        let req = Self::req::<T>(CollectiveKind::Reduce, buf.len(), op, root);
+        let scaled = Self::premultiplied(op, buf)?;
+        if self.rank == root {
+            return match scaled {
+                Some(s) => self.blocking(req, Some(&s), buf),
+                None => self.blocking(req, None, buf),
+            };
+        }
+        let input = scaled.unwrap_or_else(|| buf.to_vec());
+        self.blocking(req, Some(&input), &mut [])
+    }
+
+    /// Reduces every rank's `input` into `root`'s `output` (ignored on other ranks).
+    pub fn reduce_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(root, "reduce")?;
+        self.check_op(op, T::DTYPE, "reduce")?;
+        let req = Self::req::<T>(CollectiveKind::Reduce, input.len(), op, root);
+        let output: &mut [T] = if self.rank == root {
+            self.check_len("reduce", "output", output.len(), input.len())?;
+            output
+        } else {
+            &mut []
+        };
+        match Self::premultiplied(op, input)? {
+            Some(s) => self.blocking(req, Some(&s), output),
+            None => self.blocking(req, Some(input), output),
+        }
+    }
+
+    // ---- allgather --------------------------------------------------------
+
+    /// Gathers every rank's `input` into `output` (world_size × input length), in rank order.
+    pub fn allgather_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.check_len(
+            "allgather",
+            "output",
+            output.len(),
+            input.len() * self.world_size,
+        )?;
+        self.blocking(
+            Self::req::<T>(CollectiveKind::AllGather, input.len(), ReduceOp::Sum, 0),
+            Some(input),
+            output,
+        )
+    }
+
+    /// In-place allgather: `buf` holds world_size blocks, this rank's contribution in block `rank`.
+    pub fn allgather<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let c = self.split_count("allgather", buf.len())?;
+        let req = Self::req::<T>(CollectiveKind::AllGather, c, ReduceOp::Sum, 0);
+        let len = buf.len();
+        self.blocking_within(req, buf, self.rank * c..(self.rank + 1) * c, 0..len)
+    }
+
+    // ---- reduce-scatter ---------------------------------------------------
+
+    /// Reduces `input` (world_size blocks of `output`'s length) across ranks; block `rank` of the result lands in `output`.
+    pub fn reduce_scatter_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.check_op(op, T::DTYPE, "reduce-scatter")?;
+        self.check_len(
+            "reduce-scatter",
+            "input",
+            input.len(),
+            output.len() * self.world_size,
+        )?;
+        let req = Self::req::<T>(CollectiveKind::ReduceScatter, output.len(), op, 0);
+        match Self::premultiplied(op, input)? {
+            Some(s) => self.blocking(req, Some(&s), output),
+            None => self.blocking(req, Some(input), output),
+        }
+    }
+
+    /// In-place reduce-scatter: `buf` holds world_size blocks; block `rank` receives this rank's share of the result.
+    pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.check_op(op, T::DTYPE, "reduce-scatter")?;
+        let c = self.split_count("reduce-scatter", buf.len())?;
+        let req = Self::req::<T>(CollectiveKind::ReduceScatter, c, op, 0);
+        let mine = self.rank * c..(self.rank + 1) * c;
+        match Self::premultiplied(op, buf)? {
+            Some(s) => self.blocking(req, Some(&s), &mut buf[mine]),
+            None => {
+                let len = buf.len();
+                self.blocking_within(req, buf, 0..len, mine)
+            }
+        }
+    }
+
+    // ---- all-to-all -------------------------------------------------------
+
+    /// Sends block p of `input` to rank p; block p of `output` comes from rank p.
+    pub fn alltoall_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
+        self.check_len("alltoall", "output", output.len(), input.len())?;
+        let c = self.split_count("alltoall", input.len())?;
+        self.blocking(
+            Self::req::<T>(CollectiveKind::AllToAll, c, ReduceOp::Sum, 0),
+            Some(input),
+            output,
+        )
+    }
+
+    /// In-place all-to-all on world_size blocks.
+    pub fn alltoall<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        let c = self.split_count("alltoall", buf.len())?;
+        self.blocking(
+            Self::req::<T>(CollectiveKind::AllToAll, c, ReduceOp::Sum, 0),
+            None,
+            buf,
+        )
+    }
+
+    // ---- gather / scatter -------------------------------------------------
+
+    /// Gathers every rank's `input` into `root`'s `output` (world_size × input length; ignored elsewhere).
+    pub fn gather_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(root, "gather")?;
+        let output: &mut [T] = if self.rank == root {
+            self.check_len(
+                "gather",
+                "output",
+                output.len(),
+                input.len() * self.world_size,
+            )?;
+            output
+        } else {
+            &mut []
+        };
+        self.blocking(
+            Self::req::<T>(CollectiveKind::Gather, input.len(), ReduceOp::Sum, root),
+            Some(input),
+            output,
+        )
+    }
+
+    /// In-place gather: on the root `buf` holds world_size blocks with the root's own in block `root`;
+    /// elsewhere `buf` is this rank's contribution.
+    pub fn gather<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root(root, "gather")?;
+        if self.rank != root {
+            return self.blocking(
+                Self::req::<T>(CollectiveKind::Gather, buf.len(), ReduceOp::Sum, root),
+                Some(buf),
+                &mut [],
+            );
+        }
+        let c = self.split_count("gather", buf.len())?;
+        let len = buf.len();
+        self.blocking_within(
+            Self::req::<T>(CollectiveKind::Gather, c, ReduceOp::Sum, root),
+            buf,
+            root * c..(root + 1) * c,
+            0..len,
+        )
+    }
+
+    /// Sends block p of `root`'s `input` (world_size × output length; ignored elsewhere) to rank p's `output`.
+    pub fn scatter_into<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(root, "scatter")?;
+        let input: &[T] = if self.rank == root {
+            self.check_len(
+                "scatter",
+                "input",
+                input.len(),
+                output.len() * self.world_size,
+            )?;
+            input
+        } else {
+            &[]
+        };
+        self.blocking(
+            Self::req::<T>(CollectiveKind::Scatter, output.len(), ReduceOp::Sum, root),
+            Some(input),
+            output,
+        )
+    }
+
+    /// In-place scatter: on the root `buf` holds world_size blocks and keeps block `root`;
+    /// elsewhere `buf` receives this rank's block.
+    pub fn scatter<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
+        self.check_root(root, "scatter")?;
+        if self.rank != root {
+            return self.blocking(
+                Self::req::<T>(CollectiveKind::Scatter, buf.len(), ReduceOp::Sum, root),
+                Some(&[]),
+                buf,
+            );
+        }
+        let c = self.split_count("scatter", buf.len())?;
+        let len = buf.len();
+        self.blocking_within(
+            Self::req::<T>(CollectiveKind::Scatter, c, ReduceOp::Sum, root),
+            buf,
+            0..len,
+            root * c..(root + 1) * c,
+        )
+    }
+
+    // ---- barrier ----------------------------------------------------------
+
+    /// Returns once every rank has entered the barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.blocking::<u8>(
+            Self::req::<u8>(CollectiveKind::Barrier, 0, ReduceOp::Sum, 0),
+            None,
+            &mut [],
+        )
+    }
+
+    // ---- point to point ---------------------------------------------------
+
+    fn check_peer(&self, peer: usize, call: &str) -> Result<()> {
+        if peer >= self.world_size || peer == self.rank {
+            return Err(Error::InvalidArgument(format!(
+                "{call} on rank {}: peer {peer} must be another rank below {}",
+                self.rank, self.world_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sends `buf` to rank `dst`, which must call [`Communicator::recv`] with the same length.
+    pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<()> {
+        self.check_peer(dst, "send")?;
+        let io = IoBuffers::separate(bytemuck::cast_slice(buf), &mut []);
+        self.run_borrowed(io, |io, done| {
+            self.submit_p2p(T::DTYPE, buf.len(), dst, true, io, done)
+        })
+    }
+
+    /// Receives into `buf` from rank `src`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> Result<()> {
+        self.check_peer(src, "recv")?;
+        let n = buf.len();
+        let io = IoBuffers::separate(&[], bytemuck::cast_slice_mut(buf));
+        self.run_borrowed(io, |io, done| {
+            self.submit_p2p(T::DTYPE, n, src, false, io, done)
+        })
+    }
+
+    // ---- asynchronous forms -----------------------------------------------
+
+    /// Queues a call on owned buffers; the `Work` yields `finish(input, output)`.
+    fn launch<T: Element, R: Send + 'static>(
+        &self,
+        req: Request,
+        input: Option<Vec<T>>,
+        mut output: Vec<T>,
+        finish: impl FnOnce(Option<Vec<T>>, Vec<T>) -> R + Send + 'static,
+    ) -> Work<R> {
+        let (work, completer) = work_pair::<R>();
+        let out: &mut [u8] = bytemuck::cast_slice_mut(&mut output);
+        let (out_ptr, out_len) = (out.as_mut_ptr(), out.len());
+        let (in_ptr, in_len) = match &input {
+            Some(i) => {
+                let b: &[u8] = bytemuck::cast_slice(i);
+                (b.as_ptr(), b.len())
+            }
+            None => (out_ptr as *const u8, out_len),
+        };
+        // SAFETY: the vectors' heap memory does not move when the vectors are
+        // moved into the completion closure, which keeps them alive until the
+        // engine is done with the buffers.
+        let io = unsafe { IoBuffers::from_raw(in_ptr, in_len, out_ptr, out_len) };
+        let done =
+            Box::new(move |r: Result<()>| completer.complete(r.map(|()| finish(input, output))));
+        self.submit(req, io, done);
+        work
+    }
+
+    /// Asynchronous [`Communicator::allreduce`] on an owned buffer.
+    pub fn iallreduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        if let Err(e) = self.check_op(op, T::DTYPE, "allreduce") {
+            return Work::ready(Err(e));
+        }
+        let req = Self::req::<T>(CollectiveKind::AllReduce, buf.len(), op, 0);
+        match Self::premultiplied(op, &buf) {
+            Ok(scaled) => self.launch(req, scaled, buf, |_, out| out),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    /// Asynchronous [`Communicator::broadcast`] on an owned buffer.
+    pub fn ibroadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+        if let Err(e) = self.check_root(root, "broadcast") {
+            return Work::ready(Err(e));
+        }
+        self.launch(
+            Self::req::<T>(CollectiveKind::Broadcast, buf.len(), ReduceOp::Sum, root),
+            None,
+            buf,
+            |_, out| out,
+        )
+    }
+
+    /// Asynchronous reduce: the root gets the result; other ranks get their input back.
+    pub fn ireduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
+        if let Err(e) = self
+            .check_root(root, "reduce")
+            .and_then(|()| self.check_op(op, T::DTYPE, "reduce"))
+        {
+            return Work::ready(Err(e));
+        }
+        let req = Self::req::<T>(CollectiveKind::Reduce, buf.len(), op, root);
+        let scaled = match Self::premultiplied(op, &buf) {
+            Ok(s) => s,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        if self.rank == root {
+            self.launch(req, scaled, buf, |_, out| out)
+        } else {
+            let input = scaled.unwrap_or_else(|| buf.clone());
+            self.launch(req, Some(input), Vec::new(), move |_, _| buf)
+        }
+    }
+
+    /// Asynchronous allgather: returns world_size × input length elements.
+    pub fn iallgather<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        let output = vec![T::zeroed(); input.len() * self.world_size];
+        self.launch(
+            Self::req::<T>(CollectiveKind::AllGather, input.len(), ReduceOp::Sum, 0),
+            Some(input),
+            output,
+            |_, out| out,
+        )
+    }
+
+    /// Asynchronous reduce-scatter: returns this rank's block of the reduced `input`.
+    pub fn ireduce_scatter<T: Element>(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        let checked = self
+            .check_op(op, T::DTYPE, "reduce-scatter")
+            .and_then(|()| self.split_count("reduce-scatter", input.len()));
+        let c = match checked {
+            Ok(c) => c,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let req = Self::req::<T>(CollectiveKind::ReduceScatter, c, op, 0);
+        let input = match Self::premultiplied(op, &input) {
+            Ok(s) => s.unwrap_or(input),
+            Err(e) => return Work::ready(Err(e)),
+        };
+        self.launch(req, Some(input), vec![T::zeroed(); c], |_, out| out)
+    }
+
+    /// Asynchronous all-to-all: returns the received blocks.
+    pub fn ialltoall<T: Element>(&self, input: Vec<T>) -> Work<Vec<T>> {
+        let c = match self.split_count("alltoall", input.len()) {
+            Ok(c) => c,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let output = vec![T::zeroed(); input.len()];
+        self.launch(
+            Self::req::<T>(CollectiveKind::AllToAll, c, ReduceOp::Sum, 0),
+            Some(input),
+            output,
+            |_, out| out,
+        )
+    }
+
+    /// Asynchronous gather: the root gets world_size × input length elements, others an empty vector.
+    pub fn igather<T: Element>(&self, input: Vec<T>, root: usize) -> Work<Vec<T>> {
+        if let Err(e) = self.check_root(root, "gather") {
+            return Work::ready(Err(e));
+        }
+        let out_len = if self.rank == root {
+            input.len() * self.world_size
+        } else {
+            0
+        };
+        let req = Self::req::<T>(CollectiveKind::Gather, input.len(), ReduceOp::Sum, root);
+        self.launch(req, Some(input), vec![T::zeroed(); out_len], |_, out| out)
+    }
+
+    /// Asynchronous scatter of `count` elements per rank: `input` (world_size × count) is read on the root only.
+    pub fn iscatter<T: Element>(&self, input: Vec<T>, count: usize, root: usize) -> Work<Vec<T>> {
+        if let Err(e) = self.check_root(root, "scatter") {
+            return Work::ready(Err(e));
+        }
+        let input = if self.rank == root {
+            if let Err(e) = self.check_len("scatter", "input", input.len(), count * self.world_size)
+            {
+                return Work::ready(Err(e));
+            }
+            input
+        } else {
+            Vec::new()
+        };
+        self.launch(
+            Self::req::<T>(CollectiveKind::Scatter, count, ReduceOp::Sum, root),
+            Some(input),
+            vec![T::zeroed(); count],
+            |_, out| out,
+        )
+    }
+
+    /// Asynchronous barrier.
+    pub fn ibarrier(&self) -> Work<()> {
+        self.launch::<u8, ()>(
+            Self::req::<u8>(CollectiveKind::Barrier, 0, ReduceOp::Sum, 0),
+            None,
+            Vec::new(),
+            |_, _| (),
+        )
+    }
+
+    /// Asynchronous send; the `Work` hands the buffer back.
+    pub fn isend<T: Element>(&self, buf: Vec<T>, dst: usize) -> Work<Vec<T>> {
+        if let Err(e) = self.check_peer(dst, "send") {
+            return Work::ready(Err(e));
+        }
+        let (work, completer) = work_pair();
+        let bytes: &[u8] = bytemuck::cast_slice(&buf);
+        // SAFETY: as in `launch`: `buf` moves into the closure, its heap memory stays put.
+        let io = unsafe {
+            IoBuffers::from_raw(
+                bytes.as_ptr(),
+                bytes.len(),
+                std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                0,
+            )
+        };
+        let n = buf.len();
+        self.submit_p2p(
+            T::DTYPE,
+            n,
+            dst,
+            true,
+            io,
+            Box::new(move |r: Result<()>| completer.complete(r.map(|()| buf))),
+        );
+        work
+    }
+
+    /// Asynchronous receive into an owned buffer of the expected length.
+    pub fn irecv<T: Element>(&self, mut buf: Vec<T>, src: usize) -> Work<Vec<T>> {
+        if let Err(e) = self.check_peer(src, "recv") {
+            return Work::ready(Err(e));
+        }
+        let (work, completer) = work_pair();
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        // SAFETY: as in `launch`.
+        let io = unsafe {
+            IoBuffers::from_raw(
+                std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                0,
+                bytes.as_mut_ptr(),
+                bytes.len(),
+            )
+        };
+        let n = buf.len();
+        self.submit_p2p(
+            T::DTYPE,
+            n,
+            src,
+            false,
+            io,
+            Box::new(move |r: Result<()>| completer.complete(r.map(|()| buf))),
+        );
+        work
+    }
+
+    // ---- sub-communicators ------------------------------------------------
+
+    /// Splits this communicator (MPI_Comm_split): ranks passing the same
+    /// `color` form a new communicator, ordered by `key` then by rank here.
+    /// Ranks passing `None` take part but get `None` back. Every rank must call it.
+    pub fn split(&self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
+        let mine = [color.map_or(-1, i64::from), key];
+        let mut all = vec![0i64; 2 * self.world_size];
+        self.allgather_into(&mine, &mut all)?;
+        let split = self.splits.fetch_add(1, Ordering::Relaxed);
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        let mut members: Vec<(i64, usize)> = (0..self.world_size)
+            .filter(|&r| all[2 * r] == i64::from(color))
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        members.sort_unstable();
+        let new_rank = members
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .ok_or_else(|| {
+                Error::Internal("this rank is missing from its own split group".into())
+            })?;
+        let prefix = format!("{}/split{split}/color{color}", self.prefix);
+        Communicator::with_prefix(
+            new_rank,
+            members.len(),
+            self.store.clone(),
+            prefix,
+            self.options.clone(),
+        )
+        .map(Some)
+    }
+
+    /// A sub-communicator of the listed ranks (torch's `new_group`), ordered as listed.
+    /// Every rank must call it with the same list; ranks not listed get `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<Communicator>> {
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.world_size) {
+            return Err(Error::InvalidArgument(format!(
+                "new_group: rank {bad} is not below world size {}",
+                self.world_size
+            )));
+        }
+        let position = ranks.iter().position(|&r| r == self.rank);
+        self.split(position.map(|_| 0), position.unwrap_or(0) as i64)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        // Closing the queue lets the progress thread finish what is queued and exit.
+        self.engine.take();
+    }
+}

@@ -1,0 +1,666 @@
+//! The TCP link to one peer: one or more connected sockets.
+
+use std::{
+    io::{self, IoSliceMut},
+    net::Shutdown,
+    ops::Range,
+    os::fd::{AsRawFd, BorrowedFd, RawFd},
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
+
+use ccl_core::{
+    frame::{HEADER_LEN, MAX_ABORT_REASON},
+    op, AbortNotice, AlignedBuf, DataType, Error, FrameHeader, FrameKind, Link, LinkFuture,
+    ReduceOp, Reduction, Result,
+};
+use futures::future::try_join_all;
+use tokio::{
+    io::AsyncWriteExt,
+    net::{
+        tcp::{OwnedReadHalf, OwnedWriteHalf},
+        TcpStream,
+    },
+    sync::Mutex,
+};
+
+/// Messages of at least this many bytes are striped over all sockets of a link.
+pub const STRIPE_MIN: usize = 64 * 1024;
+/// Receive-and-reduce reads and reduces the payload in pieces of this many bytes.
+pub const REDUCE_PIECE: usize = 256 * 1024;
+/// Stripe and piece boundaries are multiples of this, so no element is split.
+const ALIGN: usize = 64;
+/// Header and payload are copied into one buffer and written at once up to this size.
+const COALESCE_MAX: usize = 16 * 1024;
+/// Bound on each step of an abort.
+const ABORT_STEP: Duration = Duration::from_secs(1);
+/// How long a failed send looks for an abort notice the peer left behind.
+const PENDING_ABORT_WAIT: Duration = Duration::from_millis(200);
+
+struct ReadSide {
+    half: OwnedReadHalf,
+    /// Where receive-and-reduce lands pieces; kept across calls.
+    scratch: AlignedBuf,
+}
+
+struct WriteSide {
+    half: OwnedWriteHalf,
+    /// Header and payload of small messages, copied for a single write.
+    coalesce: Vec<u8>,
+}
+
+struct Sock {
+    rd: Mutex<ReadSide>,
+    wr: Mutex<WriteSide>,
+    /// The socket's descriptor, owned by the halves above; for shutting it down
+    /// while a receive or send holds a half.
+    fd: RawFd,
+}
+
+/// A link to one peer over `nsocks` TCP sockets.
+pub(crate) struct TcpLink {
+    rank: usize,
+    peer: usize,
+    comm: u64,
+    socks: Vec<Sock>,
+    /// Set while a send writes a frame; stays set if that send was dropped
+    /// mid-frame, so that an abort does not write into the middle of a frame.
+    mid_frame: AtomicBool,
+    /// Set once this rank aborted the link.
+    aborted: AtomicBool,
+}
+
+impl std::fmt::Debug for TcpLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TcpLink({} -> {}, {} sockets)",
+            self.rank,
+            self.peer,
+            self.socks.len()
+        )
+    }
+}
+
+/// The byte ranges of a `len`-byte payload that the `n` sockets of a link
+/// carry: contiguous, in order, boundaries multiples of [`ALIGN`].
+pub(crate) fn stripe_ranges(len: usize, n: usize) -> impl Iterator<Item = Range<usize>> {
+    let chunk = len.div_ceil(n.max(1)).next_multiple_of(ALIGN);
+    (0..n).map(move |i| {
+        let start = i.saturating_mul(chunk).min(len);
+        start..start.saturating_add(chunk).min(len)
+    })
+}
+
+fn split_stripes_mut(mut buf: &mut [u8], n: usize) -> Vec<&mut [u8]> {
+    let mut parts = Vec::with_capacity(n);
+    for r in stripe_ranges(buf.len(), n) {
+        let (part, rest) = std::mem::take(&mut buf).split_at_mut(r.len());
+        parts.push(part);
+        buf = rest;
+    }
+    parts
+}
+
+fn split_stripes(buf: &[u8], n: usize) -> Vec<&[u8]> {
+    stripe_ranges(buf.len(), n).map(|r| &buf[r]).collect()
+}
+
+/// One `readv` into `bufs`, waiting for the socket to become readable.
+async fn read_vectored(rd: &OwnedReadHalf, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+    loop {
+        match rd.try_read_vectored(bufs) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                rd.readable().await?
+            }
+            r => return r,
+        }
+    }
+}
+
+fn eof() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")
+}
+
+impl TcpLink {
+    /// A link over `streams` (socket `i` at index `i`), all connected to `peer`.
+    pub(crate) fn new(rank: usize, peer: usize, comm: u64, streams: Vec<TcpStream>) -> TcpLink {
+        assert!(!streams.is_empty(), "a link needs at least one socket");
+        let socks = streams
+            .into_iter()
+            .map(|s| {
+                let fd = s.as_raw_fd();
+                let (rd, wr) = s.into_split();
+                Sock {
+                    rd: Mutex::new(ReadSide {
+                        half: rd,
+                        scratch: AlignedBuf::zeroed(0),
+                    }),
+                    wr: Mutex::new(WriteSide {
+                        half: wr,
+                        coalesce: Vec::new(),
+                    }),
+                    fd,
+                }
+            })
+            .collect();
+        TcpLink {
+            rank,
+            peer,
+            comm,
+            socks,
+            mid_frame: AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
+        }
+    }
+
+    fn striped(&self, len: usize) -> bool {
+        self.socks.len() > 1 && len >= STRIPE_MIN
+    }
+
+    /// The error for a failed read or write on an established socket.
+    fn lost(&self, e: io::Error) -> Error {
+        let what = match e.kind() {
+            io::ErrorKind::UnexpectedEof => "connection closed".to_string(),
+            _ => e.to_string(),
+        };
+        let cause = if self.aborted.load(Ordering::Acquire) {
+            format!("{what} (this rank aborted the link)")
+        } else {
+            what
+        };
+        Error::PeerLost {
+            rank: self.rank,
+            peer: self.peer,
+            call: String::new(),
+            cause,
+        }
+    }
+
+    fn protocol(&self, msg: String) -> Error {
+        Error::Protocol {
+            rank: self.rank,
+            peer: self.peer,
+            call: String::new(),
+            msg,
+        }
+    }
+
+    /// Reads a frame header, landing any payload bytes that arrive with it in
+    /// `first` (at most `first.len()`: never past the expected frame), and
+    /// checks it against `expect`. Returns how many bytes of `first` hold payload.
+    async fn read_head(
+        &self,
+        rd: &OwnedReadHalf,
+        expect: &FrameHeader,
+        first: &mut [u8],
+    ) -> Result<usize> {
+        let mut head = [0u8; HEADER_LEN];
+        let mut have = 0;
+        let extra = loop {
+            let n = {
+                let mut bufs = [
+                    IoSliceMut::new(&mut head[have..]),
+                    IoSliceMut::new(&mut *first),
+                ];
+                read_vectored(rd, &mut bufs)
+                    .await
+                    .map_err(|e| self.lost(e))?
+            };
+            if n == 0 {
+                return Err(self.lost(eof()));
+            }
+            if have + n >= HEADER_LEN {
+                break have + n - HEADER_LEN;
+            }
+            have += n;
+        };
+        let got = FrameHeader::decode(&head).map_err(|m| self.protocol(m))?;
+        if got.kind == FrameKind::Abort {
+            return Err(self.read_abort(rd, &got, &first[..extra]).await);
+        }
+        expect.check_received(&got, self.rank, self.peer)?;
+        Ok(extra)
+    }
+
+    /// Reads the rest of an abort frame whose payload starts with `already`.
+    async fn read_abort(&self, rd: &OwnedReadHalf, got: &FrameHeader, already: &[u8]) -> Error {
+        let limit = MAX_ABORT_REASON + 4;
+        if got.len > limit as u64 {
+            return self.protocol(format!(
+                "abort frame of {} bytes (at most {limit})",
+                got.len
+            ));
+        }
+        let len = got.len as usize;
+        let mut payload = vec![0u8; len];
+        let have = already.len().min(len);
+        payload[..have].copy_from_slice(&already[..have]);
+        let mut filled = have;
+        while filled < len {
+            let mut bufs = [IoSliceMut::new(&mut payload[filled..])];
+            match read_vectored(rd, &mut bufs).await {
+                Ok(0) => return self.lost(eof()),
+                Ok(n) => filled += n,
+                Err(e) => return self.lost(e),
+            }
+        }
+        match AbortNotice::decode(&payload) {
+            Ok(notice) => notice.into_error(self.rank, self.peer),
+            Err(m) => self.protocol(m),
+        }
+    }
+
+    /// After a failed send: the peer may have said why it left before closing.
+    /// Reads an abort notice waiting on socket 0, unless a receive holds it or
+    /// what waits there is not an abort frame; otherwise returns `fallback`.
+    async fn pending_abort(&self, fallback: Error) -> Error {
+        let Ok(guard) = self.socks[0].rd.try_lock() else {
+            return fallback;
+        };
+        let rd = &guard.half;
+        let read = async {
+            let mut head = [0u8; HEADER_LEN];
+            let mut have = 0;
+            while have < HEADER_LEN {
+                match read_vectored(rd, &mut [IoSliceMut::new(&mut head[have..])]).await {
+                    Ok(n) if n > 0 => have += n,
+                    _ => return None,
+                }
+            }
+            let got = FrameHeader::decode(&head)
+                .ok()
+                .filter(|h| h.kind == FrameKind::Abort)?;
+            Some(self.read_abort(rd, &got, &[]).await)
+        };
+        match tokio::time::timeout(PENDING_ABORT_WAIT, read).await {
+            Ok(Some(e @ Error::PeerLost { .. })) => e,
+            _ => fallback,
+        }
+    }
+
+    async fn send_frame(&self, header: FrameHeader, data: &[u8]) -> Result<()> {
+        match self.write_frame(header, data).await {
+            Err(e @ Error::PeerLost { .. }) => Err(self.pending_abort(e).await),
+            r => r,
+        }
+    }
+
+    async fn write_frame(&self, header: FrameHeader, data: &[u8]) -> Result<()> {
+        if header.len != data.len() as u64 {
+            return Err(Error::Internal(format!(
+                "send to rank {}: header says {} bytes, payload has {}",
+                self.peer,
+                header.len,
+                data.len()
+            )));
+        }
+        let head = header.encode();
+        if !self.striped(data.len()) {
+            let mut guard = self.socks[0].wr.lock().await;
+            let WriteSide { half, coalesce } = &mut *guard;
+            self.mid_frame.store(true, Ordering::Release);
+            let written = if HEADER_LEN + data.len() <= COALESCE_MAX {
+                coalesce.clear();
+                coalesce.extend_from_slice(&head);
+                coalesce.extend_from_slice(data);
+                half.write_all(coalesce).await
+            } else {
+                match half.write_all(&head).await {
+                    Ok(()) => half.write_all(data).await,
+                    Err(e) => Err(e),
+                }
+            };
+            written.map_err(|e| self.lost(e))?;
+            self.mid_frame.store(false, Ordering::Release);
+            return Ok(());
+        }
+        let mut guards = Vec::with_capacity(self.socks.len());
+        for s in &self.socks {
+            guards.push(s.wr.lock().await);
+        }
+        self.mid_frame.store(true, Ordering::Release);
+        let head = &head;
+        try_join_all(
+            guards
+                .iter_mut()
+                .zip(split_stripes(data, self.socks.len()))
+                .map(|(g, part)| async move {
+                    g.half.write_all(head).await?;
+                    g.half.write_all(part).await
+                }),
+        )
+        .await
+        .map_err(|e| self.lost(e))?;
+        self.mid_frame.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn check_len(&self, expect: &FrameHeader, len: usize) -> Result<()> {
+        if expect.len != len as u64 {
+            return Err(Error::Internal(format!(
+                "receive from rank {}: expected header says {} bytes, buffer has {len}",
+                self.peer, expect.len
+            )));
+        }
+        Ok(())
+    }
+
+    async fn recv_frame(&self, expect: FrameHeader, into: &mut [u8]) -> Result<()> {
+        self.check_len(&expect, into.len())?;
+        if !self.striped(into.len()) {
+            return self.recv_stripe(0, &expect, into).await;
+        }
+        let expect = &expect;
+        try_join_all(
+            split_stripes_mut(into, self.socks.len())
+                .into_iter()
+                .enumerate()
+                .map(|(i, part)| self.recv_stripe(i, expect, part)),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn recv_stripe(&self, i: usize, expect: &FrameHeader, part: &mut [u8]) -> Result<()> {
+        let guard = self.socks[i].rd.lock().await;
+        let rd = &guard.half;
+        let n = self.read_head(rd, expect, part).await?;
+        let mut filled = n;
+        while filled < part.len() {
+            let mut bufs = [IoSliceMut::new(&mut part[filled..])];
+            match read_vectored(rd, &mut bufs).await {
+                Ok(0) => return Err(self.lost(eof())),
+                Ok(n) => filled += n,
+                Err(e) => return Err(self.lost(e)),
+            }
+        }
+        Ok(())
+    }
+
+    async fn recv_reduce_frame(
+        &self,
+        expect: FrameHeader,
+        into: &mut [u8],
+        reduction: Reduction<'_>,
+    ) -> Result<()> {
+        self.check_len(&expect, into.len())?;
+        let Reduction { op, dtype, local } = reduction;
+        // Check what the kernel would reject before reading, so that a bad
+        // buffer fails without leaving the stream in the middle of a frame.
+        let size = dtype.size();
+        let misaligned = |b: &[u8]| !b.is_empty() && b.as_ptr() as usize % size != 0;
+        if into.len() % size != 0
+            || misaligned(into)
+            || local.is_some_and(|l| l.len() != into.len() || misaligned(l))
+        {
+            return Err(Error::Internal(format!(
+                "receive-and-reduce from rank {}: {} buffers of {} bytes (local: {:?}) are not whole, aligned {dtype} elements",
+                self.peer,
+                dtype,
+                into.len(),
+                local.map(<[u8]>::len)
+            )));
+        }
+        if !self.striped(into.len()) {
+            return self.reduce_stripe(0, &expect, into, local, op, dtype).await;
+        }
+        let n = self.socks.len();
+        let locals: Vec<Option<&[u8]>> = match local {
+            Some(l) => split_stripes(l, n).into_iter().map(Some).collect(),
+            None => vec![None; n],
+        };
+        let expect = &expect;
+        try_join_all(
+            split_stripes_mut(into, n)
+                .into_iter()
+                .zip(locals)
+                .enumerate()
+                .map(|(i, (part, local))| self.reduce_stripe(i, expect, part, local, op, dtype)),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn reduce_stripe(
+        &self,
+        i: usize,
+        expect: &FrameHeader,
+        part: &mut [u8],
+        local: Option<&[u8]>,
+        op: ReduceOp,
+        dtype: DataType,
+    ) -> Result<()> {
+        let mut guard = self.socks[i].rd.lock().await;
+        let ReadSide { half, scratch } = &mut *guard;
+        let first = part.len().min(REDUCE_PIECE);
+        scratch.reserve_len(first);
+        let scratch = scratch.as_mut_slice();
+        let mut filled = self.read_head(half, expect, &mut scratch[..first]).await?;
+        let mut off = 0;
+        while off < part.len() {
+            let piece = (part.len() - off).min(REDUCE_PIECE);
+            while filled < piece {
+                let mut bufs = [IoSliceMut::new(&mut scratch[filled..piece])];
+                match read_vectored(half, &mut bufs).await {
+                    Ok(0) => return Err(self.lost(eof())),
+                    Ok(n) => filled += n,
+                    Err(e) => return Err(self.lost(e)),
+                }
+            }
+            let r = off..off + piece;
+            op::reduce(
+                op,
+                dtype,
+                &mut part[r.clone()],
+                local.map(|l| &l[r]),
+                &scratch[..piece],
+            )?;
+            off += piece;
+            filled = 0;
+        }
+        Ok(())
+    }
+
+    async fn abort_link(&self, notice: &AbortNotice) -> Result<()> {
+        if self.aborted.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let mut frame = notice.header(self.comm).encode().to_vec();
+        frame.extend_from_slice(&notice.encode());
+        let told = tokio::time::timeout(ABORT_STEP, async {
+            let mut guard = self.socks[0].wr.lock().await;
+            if self.mid_frame.load(Ordering::Acquire) {
+                return false;
+            }
+            guard.half.write_all(&frame).await.is_ok()
+        })
+        .await
+        .unwrap_or(false);
+        tracing::debug!(rank = self.rank, peer = self.peer, told, "aborting link");
+        self.shutdown();
+        Ok(())
+    }
+
+    /// Shuts every socket down in both directions: the peer and any local
+    /// task blocked on the link see end-of-stream.
+    fn shutdown(&self) {
+        for s in &self.socks {
+            // SAFETY: `s.fd` belongs to the stream whose halves `s` owns; they
+            // live as long as `self`, so the descriptor is open here.
+            let fd = unsafe { BorrowedFd::borrow_raw(s.fd) };
+            let _ = socket2::SockRef::from(&fd).shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Link for TcpLink {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
+        Box::pin(self.send_frame(header, data))
+    }
+
+    fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
+        Box::pin(self.recv_frame(expect, into))
+    }
+
+    fn recv_reduce<'a>(
+        &'a self,
+        expect: FrameHeader,
+        into: &'a mut [u8],
+        reduction: Reduction<'a>,
+    ) -> LinkFuture<'a, ()> {
+        Box::pin(self.recv_reduce_frame(expect, into, reduction))
+    }
+
+    fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
+        Box::pin(self.abort_link(notice))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ccl_core::{CollectiveKind, Fingerprint};
+    use tokio::{io::AsyncWriteExt, net::TcpListener};
+
+    #[test]
+    fn stripes_cover_payload_in_aligned_order() {
+        for n in 1..=5 {
+            for len in [
+                0,
+                1,
+                63,
+                64,
+                65,
+                4096,
+                65536,
+                65537,
+                1 << 20,
+                (4 << 20) + 13,
+            ] {
+                let rs: Vec<_> = stripe_ranges(len, n).collect();
+                assert_eq!(rs.len(), n);
+                let mut at = 0;
+                for r in &rs {
+                    assert_eq!(r.start, at);
+                    assert!(r.start % ALIGN == 0 || r.start == len);
+                    at = r.end;
+                }
+                assert_eq!(at, len);
+            }
+        }
+    }
+
+    /// A link on one end of a loopback connection and the raw stream at the other.
+    async fn raw_pair() -> (TcpLink, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+        (TcpLink::new(0, 1, 5, vec![a.unwrap()]), b.unwrap().0)
+    }
+
+    fn header(len: usize) -> FrameHeader {
+        FrameHeader::data(
+            5,
+            0,
+            0,
+            len,
+            Fingerprint::new(CollectiveKind::SendRecv, DataType::U8, len),
+        )
+    }
+
+    #[tokio::test]
+    async fn garbage_is_a_protocol_error() {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            let (link, mut raw) = raw_pair().await;
+            raw.write_all(&[0xab; HEADER_LEN + 8]).await.unwrap();
+            let mut into = [0u8; 8];
+            let e = link.recv(header(8), &mut into).await.unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::Protocol {
+                        rank: 0,
+                        peer: 1,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn oversized_abort_frame_is_refused_before_reading() {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            let (link, mut raw) = raw_pair().await;
+            let notice = AbortNotice {
+                failed_rank: 1,
+                reason: "x".into(),
+            };
+            let mut h = notice.header(5);
+            h.len = 1 << 40;
+            raw.write_all(&h.encode()).await.unwrap();
+            let e = link.recv(header(0), &mut []).await.unwrap_err();
+            assert!(matches!(e, Error::Protocol { .. }), "{e}");
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn eof_mid_frame_is_peer_lost() {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            let (link, mut raw) = raw_pair().await;
+            raw.write_all(&header(1000).encode()).await.unwrap();
+            raw.write_all(&[1; 10]).await.unwrap();
+            drop(raw);
+            let mut into = vec![0u8; 1000];
+            let e = link.recv(header(1000), &mut into).await.unwrap_err();
+            assert!(matches!(&e, Error::PeerLost { peer: 1, cause, .. } if cause == "connection closed"), "{e}");
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn wrong_lengths_are_internal_errors() {
+        let (link, _raw) = raw_pair().await;
+        assert!(matches!(
+            link.send(header(3), &[1, 2]).await,
+            Err(Error::Internal(_))
+        ));
+        assert!(matches!(
+            link.recv(header(3), &mut [0; 2]).await,
+            Err(Error::Internal(_))
+        ));
+        let mut buf = AlignedBuf::zeroed(64);
+        let red = Reduction {
+            op: ReduceOp::Sum,
+            dtype: DataType::F32,
+            local: None,
+        };
+        let mut h = header(6);
+        h.fingerprint.dtype = DataType::F32;
+        let e = link
+            .recv_reduce(h, &mut buf.as_mut_slice()[..6], red)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, Error::Internal(_)), "{e}");
+    }
+}

@@ -1,0 +1,604 @@
+//! Building the full mesh: listen, rendezvous through the store, connect and accept.
+
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV6},
+    sync::{Arc, Mutex, MutexGuard, OnceLock},
+    time::{Duration, Instant},
+};
+
+use ccl_core::{Error, Link, Result, Store};
+use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpSocket, TcpStream},
+};
+
+use crate::{link::TcpLink, TcpOptions};
+
+/// Send and receive buffer size of every socket.
+const SOCKET_BUFFER: usize = 4 << 20;
+/// How long an accepted connection has to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
+const HELLO_MAGIC: [u8; 4] = *b"CCLH";
+const HELLO_VERSION: u32 = 1;
+const HELLO_LEN: usize = 28;
+/// Handshake replies: accepted, or why not.
+const ACK_OK: u8 = 0x06;
+const REJECT_VERSION: u8 = 0x10;
+const REJECT_COMM: u8 = 0x11;
+const REJECT_RANK: u8 = 0x12;
+const REJECT_NSOCKS: u8 = 0x13;
+const REJECT_DUPLICATE: u8 = 0x14;
+const CONTEXT: &str = "TCP mesh set-up";
+
+/// The first bytes a connecting rank sends on each new socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Hello {
+    version: u32,
+    comm: u64,
+    from: u32,
+    to: u32,
+    index: u16,
+    nsocks: u16,
+}
+
+impl Hello {
+    fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[0..4].copy_from_slice(&HELLO_MAGIC);
+        b[4..8].copy_from_slice(&self.version.to_le_bytes());
+        b[8..16].copy_from_slice(&self.comm.to_le_bytes());
+        b[16..20].copy_from_slice(&self.from.to_le_bytes());
+        b[20..24].copy_from_slice(&self.to.to_le_bytes());
+        b[24..26].copy_from_slice(&self.index.to_le_bytes());
+        b[26..28].copy_from_slice(&self.nsocks.to_le_bytes());
+        b
+    }
+
+    /// `None` unless the bytes start with the magic.
+    fn decode(b: &[u8; HELLO_LEN]) -> Option<Hello> {
+        if b[0..4] != HELLO_MAGIC {
+            return None;
+        }
+        let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let mut comm = [0u8; 8];
+        comm.copy_from_slice(&b[8..16]);
+        Some(Hello {
+            version: u32_at(4),
+            comm: u64::from_le_bytes(comm),
+            from: u32_at(16),
+            to: u32_at(20),
+            index: u16_at(24),
+            nsocks: u16_at(26),
+        })
+    }
+}
+
+/// Sockets connected so far, per peer and socket index.
+struct Progress {
+    socks: Vec<Vec<Option<TcpStream>>>,
+    /// Why the last connection attempt to a lower rank failed.
+    last_error: Vec<Option<String>>,
+}
+
+fn lock(p: &Mutex<Progress>) -> MutexGuard<'_, Progress> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Connects `rank` to every other rank of a communicator of `world_size`
+/// ranks through `store` (a full mesh). Returns one entry per rank: `None` at
+/// index `rank`, a link elsewhere. `comm_id` goes into every handshake and
+/// identifies the communicator.
+///
+/// Store calls block the calling thread (they run first: publish this rank's
+/// listening address, wait for the addresses of lower ranks); then this rank
+/// connects to every lower rank and accepts every higher rank, `opts.nsocks`
+/// sockets each, all within `opts.timeout` of the start.
+pub async fn connect_mesh(
+    rank: usize,
+    world_size: usize,
+    comm_id: u64,
+    store: &dyn Store,
+    opts: &TcpOptions,
+) -> Result<Vec<Option<Arc<dyn Link>>>> {
+    let started = Instant::now();
+    // A timeout too large to add is as good as none.
+    let deadline = started
+        .checked_add(opts.timeout)
+        .unwrap_or_else(|| started + Duration::from_secs(1 << 30));
+    if rank >= world_size || world_size > u32::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank} in a world of {world_size} ranks"
+        )));
+    }
+    if opts.nsocks == 0 || opts.nsocks > u16::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "{} sockets per peer",
+            opts.nsocks
+        )));
+    }
+    if world_size == 1 {
+        return Ok(vec![None]);
+    }
+    let nsocks = opts.nsocks;
+
+    // Listen, publish, and learn the addresses of the ranks to connect to.
+    let bind = local_address(opts)?;
+    let listener = listen(bind, world_size * nsocks + 16)?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the listening address", e))?;
+    store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
+    tracing::debug!(rank, %addr, "listening");
+    let keys: Vec<String> = (0..rank).map(|p| format!("addr/{p}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    match store.wait(
+        &key_refs,
+        deadline.saturating_duration_since(Instant::now()),
+    ) {
+        Ok(()) => {}
+        Err(Error::Timeout { .. }) => {
+            let missing: Vec<usize> = (0..rank)
+                .filter(|p| !matches!(store.try_get(&keys[*p]), Ok(Some(_))))
+                .collect();
+            return Err(Error::Timeout {
+                context: format!("rank {rank}: {CONTEXT}"),
+                what: format!(
+                    "ranks {missing:?} to publish their addresses in {}",
+                    store.describe()
+                ),
+                after: opts.timeout,
+            });
+        }
+        Err(e) => return Err(e),
+    }
+    let mut peers = Vec::with_capacity(rank);
+    for key in &keys {
+        let value = store.get(key, deadline.saturating_duration_since(Instant::now()))?;
+        let parsed = std::str::from_utf8(&value)
+            .ok()
+            .and_then(|s| s.parse::<SocketAddr>().ok());
+        peers.push(parsed.ok_or_else(|| Error::Store {
+            addr: store.describe(),
+            msg: format!(
+                "'{key}' holds {:?}, not a socket address",
+                String::from_utf8_lossy(&value)
+            ),
+        })?);
+    }
+
+    // Connect down, accept up, concurrently.
+    let listener =
+        TcpListener::from_std(listener).map_err(|e| Error::io("registering the listener", e))?;
+    let progress = Mutex::new(Progress {
+        socks: (0..world_size)
+            .map(|_| (0..nsocks).map(|_| None).collect())
+            .collect(),
+        last_error: vec![None; world_size],
+    });
+    let shared = Shared {
+        rank,
+        world_size,
+        comm: comm_id,
+        nsocks,
+        progress: &progress,
+    };
+    let both = async { tokio::try_join!(shared.accept_all(listener), shared.connect_all(&peers)) };
+    let left = deadline.saturating_duration_since(Instant::now());
+    match tokio::time::timeout(left, both).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return Err(shared.timeout_error(&peers, opts.timeout)),
+    }
+
+    let mut progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut links: Vec<Option<Arc<dyn Link>>> = Vec::with_capacity(world_size);
+    for (peer, socks) in progress.socks.iter_mut().enumerate() {
+        if peer == rank {
+            links.push(None);
+            continue;
+        }
+        let streams: Option<Vec<TcpStream>> = socks.iter_mut().map(Option::take).collect();
+        let streams = streams.ok_or_else(|| {
+            Error::Internal(format!("rank {rank}: socket to rank {peer} missing"))
+        })?;
+        links.push(Some(Arc::new(TcpLink::new(rank, peer, comm_id, streams))));
+    }
+    tracing::debug!(
+        rank,
+        world_size,
+        nsocks,
+        "TCP mesh connected in {:?}",
+        started.elapsed()
+    );
+    Ok(links)
+}
+
+/// The address to listen on: the interface's, else `local_ip`, else loopback.
+fn local_address(opts: &TcpOptions) -> Result<SocketAddr> {
+    if let Some(name) = &opts.interface {
+        return interface_address(name);
+    }
+    Ok(SocketAddr::new(
+        opts.local_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        0,
+    ))
+}
+
+/// The address of network interface `name`: IPv4 if it has one, else a global
+/// IPv6 address, else a link-local one (with its scope).
+fn interface_address(name: &str) -> Result<SocketAddr> {
+    let addrs = nix::ifaddrs::getifaddrs()
+        .map_err(|e| Error::Config(format!("listing network interfaces for '{name}': {e}")))?;
+    let mut found = false;
+    let (mut v4, mut v6, mut v6_local) = (None, None, None);
+    for ifa in addrs.filter(|i| i.interface_name == name) {
+        found = true;
+        let Some(a) = ifa.address else { continue };
+        if let Some(sin) = a.as_sockaddr_in() {
+            v4 = v4.or(Some(SocketAddr::new(IpAddr::V4(sin.ip()), 0)));
+        } else if let Some(sin6) = a.as_sockaddr_in6() {
+            let ip = sin6.ip();
+            if ip.segments()[0] & 0xffc0 == 0xfe80 {
+                v6_local = v6_local.or(Some(SocketAddr::V6(SocketAddrV6::new(
+                    ip,
+                    0,
+                    0,
+                    sin6.scope_id(),
+                ))));
+            } else {
+                v6 = v6.or(Some(SocketAddr::new(IpAddr::V6(ip), 0)));
+            }
+        }
+    }
+    if !found {
+        return Err(Error::Config(format!(
+            "network interface '{name}' (CCL_SOCKET_IFNAME) does not exist"
+        )));
+    }
+    v4.or(v6)
+        .or(v6_local)
+        .ok_or_else(|| Error::Config(format!("network interface '{name}' has no IP address")))
+}
+
+/// Whether the kernel grants [`SOCKET_BUFFER`]-byte buffers. Where it caps
+/// them lower (`net.core.rmem_max`/`wmem_max`, 208 KiB by default), an explicit
+/// size would be cut down and would also switch off the kernel's buffer
+/// auto-tuning, which grows past it; buffers are then left to the kernel.
+fn large_buffers_granted() -> bool {
+    static GRANTED: OnceLock<bool> = OnceLock::new();
+    *GRANTED.get_or_init(|| {
+        let max = |name: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{name}")).ok().and_then(|s| s.trim().parse::<usize>().ok())
+        };
+        let granted = [max("rmem_max"), max("wmem_max")].iter().all(|m| m.is_none_or(|m| m >= SOCKET_BUFFER));
+        if !granted {
+            tracing::debug!("net.core.rmem_max/wmem_max below {SOCKET_BUFFER} bytes: leaving TCP buffers to auto-tuning");
+        }
+        granted
+    })
+}
+
+/// Large send and receive buffers (set before connect or listen, so that the
+/// window scale covers them).
+fn set_buffers(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
+    if !large_buffers_granted() {
+        return Ok(());
+    }
+    s.set_send_buffer_size(SOCKET_BUFFER)?;
+    s.set_recv_buffer_size(SOCKET_BUFFER)
+}
+
+/// A non-blocking listener on `addr` (port 0: any), sockets it accepts
+/// inheriting large buffers.
+fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpListener> {
+    let ctx = |e| Error::io(format!("listening on {addr}"), e);
+    let socket =
+        Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(ctx)?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true).map_err(ctx)?;
+    }
+    set_buffers(&(&socket).into()).map_err(ctx)?;
+    socket.set_nodelay(true).map_err(ctx)?;
+    socket.bind(&addr.into()).map_err(ctx)?;
+    socket
+        .listen(backlog.min(i32::MAX as usize) as i32)
+        .map_err(ctx)?;
+    socket.set_nonblocking(true).map_err(ctx)?;
+    Ok(socket.into())
+}
+
+/// What the connect and accept halves of the set-up share.
+struct Shared<'a> {
+    rank: usize,
+    world_size: usize,
+    comm: u64,
+    nsocks: usize,
+    progress: &'a Mutex<Progress>,
+}
+
+impl Shared<'_> {
+    /// Accepts `nsocks` sockets from every higher rank. Connections that are
+    /// not a valid hello from such a rank are dropped (with a warning); each
+    /// hello is awaited concurrently, so a silent stranger stalls nothing.
+    async fn accept_all(&self, listener: TcpListener) -> Result<()> {
+        let mut expected = (self.world_size - 1 - self.rank) * self.nsocks;
+        let mut hellos = FuturesUnordered::new();
+        while expected > 0 {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, from)) => hellos.push(async move {
+                        let mut buf = [0u8; HELLO_LEN];
+                        let mut stream = stream;
+                        let r = tokio::time::timeout(HELLO_TIMEOUT, stream.read_exact(&mut buf)).await;
+                        (stream, from, r.map(|r| r.map(|_| buf)))
+                    }),
+                    Err(e) => {
+                        tracing::warn!(rank = self.rank, "accepting a connection failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+                Some((stream, from, read)) = hellos.next(), if !hellos.is_empty() => {
+                    let bytes = match read {
+                        Ok(Ok(b)) => b,
+                        Ok(Err(e)) => {
+                            tracing::warn!(rank = self.rank, "dropping connection from {from}: no handshake ({e})");
+                            continue;
+                        }
+                        Err(_) => {
+                            tracing::warn!(rank = self.rank, "dropping connection from {from}: no handshake within {HELLO_TIMEOUT:?}");
+                            continue;
+                        }
+                    };
+                    if self.admit(stream, from, &bytes) {
+                        expected -= 1;
+                    }
+                }
+            }
+        }
+        if !hellos.is_empty() {
+            tracing::debug!(
+                rank = self.rank,
+                "closing {} connections that sent no handshake yet",
+                hellos.len()
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks a hello; replies and keeps the socket if it is wanted.
+    fn admit(&self, stream: TcpStream, from: SocketAddr, bytes: &[u8; HELLO_LEN]) -> bool {
+        let Some(h) = Hello::decode(bytes) else {
+            tracing::warn!(
+                rank = self.rank,
+                "dropping connection from {from}: not a ccl handshake"
+            );
+            return false;
+        };
+        let me = self.rank;
+        let reject = |code: u8, why: String| {
+            tracing::warn!(rank = me, "dropping connection from {from}: {why}");
+            let _ = stream.try_write(&[code]);
+            false
+        };
+        if h.version != HELLO_VERSION {
+            return reject(
+                REJECT_VERSION,
+                format!(
+                    "handshake version {} (this rank speaks {HELLO_VERSION})",
+                    h.version
+                ),
+            );
+        }
+        if h.comm != self.comm {
+            return reject(
+                REJECT_COMM,
+                format!("communicator {:#x}, not {:#x}", h.comm, self.comm),
+            );
+        }
+        let from_rank = h.from as usize;
+        if h.to as usize != me || from_rank <= me || from_rank >= self.world_size {
+            return reject(
+                REJECT_RANK,
+                format!(
+                    "rank {} connecting to rank {} (this is rank {me} of {})",
+                    h.from, h.to, self.world_size
+                ),
+            );
+        }
+        if h.nsocks as usize != self.nsocks || h.index >= h.nsocks {
+            return reject(
+                REJECT_NSOCKS,
+                format!(
+                    "rank {from_rank} uses {} sockets per peer (socket {}), this rank {}",
+                    h.nsocks, h.index, self.nsocks
+                ),
+            );
+        }
+        let mut progress = lock(self.progress);
+        let slot = &mut progress.socks[from_rank][h.index as usize];
+        if slot.is_some() {
+            drop(progress);
+            return reject(
+                REJECT_DUPLICATE,
+                format!("second socket {} from rank {from_rank}", h.index),
+            );
+        }
+        // A fresh socket's send buffer is empty: this one-byte write completes at once.
+        match stream.try_write(&[ACK_OK]) {
+            Ok(1) => {}
+            r => {
+                tracing::warn!(rank = me, "dropping connection from {from} (rank {from_rank}): acknowledging failed: {r:?}");
+                return false;
+            }
+        }
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(
+                rank = me,
+                "TCP_NODELAY on socket from rank {from_rank}: {e}"
+            );
+        }
+        tracing::trace!(rank = me, peer = from_rank, index = h.index, "accepted");
+        *slot = Some(stream);
+        true
+    }
+
+    /// Opens `nsocks` sockets to every lower rank.
+    async fn connect_all(&self, peers: &[SocketAddr]) -> Result<()> {
+        let attempts = peers
+            .iter()
+            .enumerate()
+            .flat_map(|(p, addr)| (0..self.nsocks).map(move |i| (p, *addr, i)))
+            .map(|(p, addr, i)| self.connect_one(p, addr, i));
+        try_join_all(attempts).await?;
+        Ok(())
+    }
+
+    async fn connect_one(&self, peer: usize, addr: SocketAddr, index: usize) -> Result<()> {
+        let mut backoff = Duration::from_millis(5);
+        let mut stream = loop {
+            match open(addr).await {
+                Ok(s) => break s,
+                Err(e) => {
+                    tracing::debug!(
+                        rank = self.rank,
+                        peer,
+                        "connecting to {addr}: {e}; retrying"
+                    );
+                    lock(self.progress).last_error[peer] =
+                        Some(format!("connecting to {addr}: {e}"));
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        };
+        let hello = Hello {
+            version: HELLO_VERSION,
+            comm: self.comm,
+            from: self.rank as u32,
+            to: peer as u32,
+            index: index as u16,
+            nsocks: self.nsocks as u16,
+        };
+        let mut ack = [0u8; 1];
+        let exchanged = async {
+            stream.write_all(&hello.encode()).await?;
+            stream.read_exact(&mut ack).await
+        }
+        .await;
+        let fail = |msg: String| Error::Protocol {
+            rank: self.rank,
+            peer,
+            call: CONTEXT.into(),
+            msg,
+        };
+        if let Err(e) = exchanged {
+            return Err(fail(format!(
+                "handshake with {addr} failed ({e}): is that rank still there, in this job?"
+            )));
+        }
+        let config = |what: &str| {
+            Error::Config(format!(
+                "rank {} at {addr} refused rank {} ({what})",
+                peer, self.rank
+            ))
+        };
+        match ack[0] {
+            ACK_OK => {}
+            REJECT_VERSION => return Err(config("another version of ccl")),
+            REJECT_COMM => {
+                return Err(config(
+                    "another communicator: a stale address in the store?",
+                ))
+            }
+            REJECT_NSOCKS => {
+                return Err(config(&format!(
+                "different number of sockets per peer; this rank uses {} (CCL_NSOCKS must agree)",
+                self.nsocks
+            )))
+            }
+            REJECT_RANK => {
+                return Err(config(
+                    "it is not that rank of this job: a stale address in the store?",
+                ))
+            }
+            REJECT_DUPLICATE => return Err(fail(format!("socket {index} refused as a duplicate"))),
+            other => return Err(fail(format!("unexpected handshake reply {other:#04x}"))),
+        }
+        tracing::trace!(rank = self.rank, peer, index, "connected");
+        lock(self.progress).socks[peer][index] = Some(stream);
+        Ok(())
+    }
+
+    /// The set-up deadline passed: name the ranks that are not connected.
+    fn timeout_error(&self, peers: &[SocketAddr], after: Duration) -> Error {
+        let progress = lock(self.progress);
+        let mut missing = Vec::new();
+        let mut detail = String::new();
+        for (peer, socks) in progress.socks.iter().enumerate() {
+            let absent = socks.iter().filter(|s| s.is_none()).count();
+            if peer == self.rank || absent == 0 {
+                continue;
+            }
+            missing.push(peer);
+            let _ = match (peers.get(peer), &progress.last_error[peer]) {
+                (Some(addr), Some(err)) => write!(detail, "; rank {peer} at {addr}: {err}"),
+                (Some(addr), None) => write!(detail, "; rank {peer} at {addr} did not answer"),
+                (None, _) => write!(
+                    detail,
+                    "; rank {peer}: {absent} of {} sockets did not connect",
+                    self.nsocks
+                ),
+            };
+        }
+        Error::Timeout {
+            context: format!("rank {}: {CONTEXT}", self.rank),
+            what: format!("TCP connections with ranks {missing:?}{detail}"),
+            after,
+        }
+    }
+}
+
+/// A socket with large buffers connected to `addr`.
+async fn open(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    set_buffers(&socket2::SockRef::from(&socket))?;
+    socket.set_nodelay(true)?;
+    socket.connect(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_round_trip_and_garbage() {
+        let h = Hello {
+            version: HELLO_VERSION,
+            comm: 0xdead_beef_0123,
+            from: 3,
+            to: 1,
+            index: 2,
+            nsocks: 4,
+        };
+        assert_eq!(Hello::decode(&h.encode()), Some(h));
+        assert_eq!(Hello::decode(&[0xff; HELLO_LEN]), None);
+    }
+
+    #[test]
+    fn interface_lookup() {
+        let lo = interface_address("lo").unwrap();
+        assert!(lo.ip().is_loopback(), "{lo}");
+        assert!(matches!(
+            interface_address("no-such-if0"),
+            Err(Error::Config(_))
+        ));
+    }
+}
