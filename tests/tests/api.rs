@@ -1,0 +1,170 @@
+//! The facade's contract, with ranks as threads of this process talking over
+//! real TCP sockets: bad arguments are rejected before anything is sent (the
+//! communicator stays usable), `Work` handles behave, and deadlines hold.
+
+use std::{
+    sync::Arc,
+    thread,
+    time::{Duration, Instant},
+};
+
+use ccl::{Communicator, Error, HashStore, Options, ReduceOp, Store};
+
+/// Runs `f(comm)` on `n` ranks, each a thread with its own communicator.
+fn with_ranks<T: Send + 'static>(
+    n: usize,
+    options: Options,
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (store, f, options) = (store.clone(), f.clone(), options.clone());
+            thread::spawn(move || {
+                f(Communicator::new(rank, n, store, options).expect("communicator"))
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
+
+fn invalid<T: std::fmt::Debug>(r: ccl::Result<T>) -> String {
+    match r {
+        Err(Error::InvalidArgument(m)) => m,
+        other => panic!("expected an invalid-argument error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_arguments_are_rejected_before_anything_is_sent() {
+    let options = Options {
+        timeout: Duration::from_secs(20),
+        ..Options::default()
+    };
+    let results = with_ranks(3, options, |comm| {
+        let n = comm.world_size();
+        let mut messages = vec![
+            invalid(comm.allreduce(&mut [1.0f32; 4], ReduceOp::BitAnd)),
+            invalid(comm.allreduce_into(&[1i32; 4], &mut [0i32; 5], ReduceOp::Sum)),
+            invalid(comm.broadcast(&mut [0u8; 4], n)),
+            invalid(comm.reduce(&mut [0u8; 4], ReduceOp::Sum, 7)),
+            invalid(comm.allgather_into(&[1u64; 2], &mut [0u64; 5])),
+            invalid(comm.allgather(&mut [0u64; 5])),
+            invalid(comm.reduce_scatter_into(&[1u32; 5], &mut [0u32; 2], ReduceOp::Sum)),
+            invalid(comm.alltoall(&mut [0i64; 4])),
+            invalid(comm.scatter_into(&[1u8; 2], &mut [0u8; 1], n)),
+            invalid(comm.gather(&mut [0u8; 4], n + 1)),
+            invalid(comm.send(&[1u8], comm.rank())),
+            invalid(comm.recv(&mut [1u8], n)),
+            invalid(
+                comm.iallreduce(vec![ccl::bf16::ONE], ReduceOp::BitXor)
+                    .wait(),
+            ),
+            invalid(comm.allreduce(&mut [1u8; 2], ReduceOp::PreMulSum(0.5))),
+            invalid(comm.new_group(&[0, n])),
+        ];
+        // Nothing was sent: the communicator still works and agrees with the others.
+        let mut v = vec![comm.rank() as u32 + 1; 3];
+        comm.allreduce(&mut v, ReduceOp::Sum)
+            .expect("allreduce after rejected calls");
+        messages.push(format!("{v:?}"));
+        messages
+    });
+    for (rank, m) in results.iter().enumerate() {
+        assert_eq!(m.last().unwrap(), "[6, 6, 6]", "rank {rank}");
+        assert!(m[0].contains("band") && m[0].contains("f32"), "{}", m[0]);
+        assert!(m[2].contains("root 3"), "{}", m[2]);
+    }
+}
+
+#[test]
+fn work_handles_run_in_the_background_and_in_order() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        let mut works: Vec<_> = (0..20)
+            .map(|i| comm.iallreduce(vec![i as i64; 1000], ReduceOp::Sum))
+            .collect();
+        let mut first = works.remove(0);
+        let got = first
+            .wait_timeout(Duration::from_secs(30))
+            .expect("completes")
+            .expect("succeeds");
+        let rest: Vec<Vec<i64>> = works.into_iter().map(|w| w.wait().unwrap()).collect();
+        (got, rest)
+    });
+    for (first, rest) in results {
+        assert_eq!(first, vec![0; 1000]);
+        for (i, v) in rest.iter().enumerate() {
+            assert_eq!(v[0], 2 * (i as i64 + 1));
+        }
+    }
+}
+
+#[test]
+fn wait_timeout_returns_while_a_peer_is_late_and_the_call_then_completes() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_millis(300));
+        }
+        let mut w = comm.iallreduce(vec![1u8; 8], ReduceOp::Sum);
+        let early = if comm.rank() == 0 {
+            w.wait_timeout(Duration::from_millis(50)).is_none()
+        } else {
+            true
+        };
+        (early, w.wait().unwrap())
+    });
+    for (early, v) in results {
+        assert!(
+            early,
+            "wait_timeout should have returned None while rank 1 was late"
+        );
+        assert_eq!(v, vec![2u8; 8]);
+    }
+}
+
+#[test]
+fn a_missing_rank_is_a_timeout_not_a_hang() {
+    let options = Options {
+        timeout: Duration::from_millis(500),
+        ..Options::default()
+    };
+    let results = with_ranks(2, options, |comm| {
+        let start = Instant::now();
+        // Only rank 0 calls; rank 1 goes straight to its end.
+        let r = if comm.rank() == 0 {
+            comm.allreduce(&mut [1.0f64; 4], ReduceOp::Sum)
+        } else {
+            Ok(())
+        };
+        let broken_after = comm.broken().is_some();
+        (r, start.elapsed(), broken_after)
+    });
+    let (r0, took, broken) = &results[0];
+    match r0 {
+        Err(Error::Timeout { context, .. }) => assert!(
+            context.contains("rank 0") && context.contains("allreduce"),
+            "{context}"
+        ),
+        Err(Error::PeerLost { peer: 1, .. }) => {} // rank 1 exited and closed its links first
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(*took < Duration::from_secs(5), "took {took:?}");
+    assert!(broken);
+}
+
+#[test]
+fn world_of_one_needs_no_peers() {
+    let comm = Communicator::new(0, 1, Arc::new(HashStore::new()), Options::default()).unwrap();
+    let mut v = vec![1.5f32, 2.5];
+    comm.allreduce(&mut v, ReduceOp::Avg).unwrap();
+    assert_eq!(v, vec![1.5, 2.5]);
+    let mut out = vec![0.0f32; 2];
+    comm.allgather_into(&v, &mut out).unwrap();
+    assert_eq!(out, v);
+    comm.barrier().unwrap();
+    assert!(Communicator::new(1, 1, Arc::new(HashStore::new()), Options::default()).is_err());
+}
