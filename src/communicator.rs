@@ -441,7 +441,6 @@ impl Communicator {
                 output_range.len() * s,
             )
         };
-        let _borrow = bytes;
         self.run_borrowed(io, |io, done| self.submit(req, io, done))
     }
 

@@ -59,8 +59,11 @@ impl Call {
 
 /// The caller's input and output memory for one execution.
 ///
-/// Input and output may be the same memory (in-place calls) or disjoint;
-/// partial overlap is not allowed.
+/// Input and output are disjoint, the same memory, or, for in-place calls
+/// whose input and output differ in size, one lies inside the other at the
+/// block the collective defines (this rank's block of an allgather output, of
+/// a reduce-scatter input, of a gather/scatter root buffer). Schedules copy or
+/// reduce a region onto itself by skipping the copy or the second operand.
 pub struct IoBuffers<'a> {
     input: *const u8,
     input_len: usize,
@@ -101,8 +104,8 @@ impl<'a> IoBuffers<'a> {
     ///
     /// # Safety
     /// Both regions must stay valid, and be touched by nobody else, until the
-    /// execution that receives them has finished or been dropped. They must be
-    /// the same memory or disjoint.
+    /// execution that receives them has finished or been dropped. They must
+    /// overlap only as described on [`IoBuffers`].
     pub unsafe fn from_raw(
         input: *const u8,
         input_len: usize,
