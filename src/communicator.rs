@@ -20,6 +20,8 @@ use crate::engine::{Engine, Job};
 
 /// Largest piece one send or receive moves; larger buffers are pipelined in pieces.
 const PIECE_BYTES: usize = 512 * 1024;
+/// Allreduces up to this size use recursive doubling (log2 n rounds); larger ones the ring.
+const SMALL_ALLREDUCE_BYTES: usize = 64 * 1024;
 /// Schedules kept per communicator for repeated calls.
 const SCHEDULE_CACHE: usize = 64;
 
@@ -34,6 +36,9 @@ pub struct Options {
     pub interface: Option<String>,
     /// Local address links use when no interface is named (default: loopback).
     pub local_ip: Option<std::net::IpAddr>,
+    /// Algorithm overrides, as `CCL_ALGO` spells them: `ring`, or
+    /// `allreduce=rd,broadcast=tree`. `None`: chosen by size.
+    pub algo: Option<String>,
 }
 
 impl Default for Options {
@@ -43,8 +48,40 @@ impl Default for Options {
             nsocks: 1,
             interface: None,
             local_ip: None,
+            algo: None,
         }
     }
+}
+
+/// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
+/// `kind=algorithm` pairs separated by commas.
+fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
+    let bad = |m: String| Error::Config(format!("CCL_ALGO={spec:?}: {m}"));
+    let mut map = HashMap::new();
+    for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('=') {
+            Some((kind, algo)) => {
+                let kind: CollectiveKind = kind.trim().parse().map_err(bad)?;
+                let algo: Algorithm = algo.trim().parse().map_err(bad)?;
+                if !Algorithm::for_kind(kind).contains(&algo) {
+                    return Err(bad(format!("{algo} does not implement {kind}")));
+                }
+                map.insert(kind, algo);
+            }
+            None => {
+                let algo: Algorithm = part.parse().map_err(bad)?;
+                let kinds: Vec<CollectiveKind> = CollectiveKind::ALL
+                    .into_iter()
+                    .filter(|k| Algorithm::for_kind(*k).contains(&algo))
+                    .collect();
+                if kinds.is_empty() {
+                    return Err(bad(format!("{algo} implements no collective")));
+                }
+                map.extend(kinds.into_iter().map(|k| (k, algo)));
+            }
+        }
+    }
+    Ok(map)
 }
 
 impl Options {
@@ -59,6 +96,7 @@ impl Options {
             nsocks: config.nsocks,
             interface: config.socket_ifname.clone(),
             local_ip,
+            algo: config.algo.clone(),
         }
     }
 }
@@ -70,8 +108,8 @@ fn comm_id(prefix: &str) -> u64 {
     })
 }
 
-/// What a cached schedule depends on besides the communicator: kind, count, root, finalize.
-type ScheduleKey = (CollectiveKind, usize, usize, bool);
+/// What a cached schedule depends on besides the communicator: kind, algorithm, count, root, finalize.
+type ScheduleKey = (CollectiveKind, Algorithm, usize, usize, bool);
 
 /// One call's arguments, before they become a schedule.
 #[derive(Clone, Copy, Debug)]
@@ -105,6 +143,7 @@ pub struct Communicator {
     p2p_seq: Mutex<HashMap<(usize, bool), u64>>,
     splits: AtomicU64,
     schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
+    algo: HashMap<CollectiveKind, Algorithm>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -172,6 +211,12 @@ impl Communicator {
         if options.nsocks == 0 {
             return Err(Error::InvalidArgument("nsocks must be at least 1".into()));
         }
+        let algo = options
+            .algo
+            .as_deref()
+            .map(parse_algo)
+            .transpose()?
+            .unwrap_or_default();
         let started = Instant::now();
         let comm = comm_id(&prefix);
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(store.clone(), prefix.clone()));
@@ -212,6 +257,7 @@ impl Communicator {
             p2p_seq: Mutex::new(HashMap::new()),
             splits: AtomicU64::new(0),
             schedules: Mutex::new(HashMap::new()),
+            algo,
         })
     }
 
@@ -278,9 +324,28 @@ impl Communicator {
 
     // ---- submission -------------------------------------------------------
 
+    /// The algorithm a call of `kind` on `count` elements of `dtype` uses: the
+    /// `CCL_ALGO` override if any, else recursive doubling for small allreduces
+    /// and the one algorithm of every other collective.
+    pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
+        if let Some(&a) = self.algo.get(&kind) {
+            return a;
+        }
+        match kind {
+            CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
+                Algorithm::RecursiveDoubling
+            }
+            _ => Algorithm::for_kind(kind)
+                .first()
+                .copied()
+                .unwrap_or(Algorithm::Ring),
+        }
+    }
+
     fn schedule(&self, req: &Request) -> Result<Arc<Schedule>> {
         let finalize = req.op == ReduceOp::Avg;
-        let key = (req.kind, req.count, req.root, finalize);
+        let algorithm = self.algorithm_for(req.kind, req.count, req.dtype);
+        let key = (req.kind, algorithm, req.count, req.root, finalize);
         let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = cache.get(&key) {
             return Ok(s.clone());
@@ -294,7 +359,6 @@ impl Communicator {
             finalize,
             piece_elems: (PIECE_BYTES / req.dtype.size()).max(1),
         };
-        let algorithm: Algorithm = Algorithm::for_kind(req.kind)[0];
         let schedule = Arc::new(spec.build(algorithm).map_err(Error::Internal)?);
         if cache.len() >= SCHEDULE_CACHE {
             cache.clear();
@@ -1064,5 +1128,61 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         // Closing the queue lets the progress thread finish what is queued and exit.
         self.engine.take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algo_overrides() {
+        let m = parse_algo("ring").unwrap();
+        assert_eq!(m.get(&CollectiveKind::AllReduce), Some(&Algorithm::Ring));
+        assert_eq!(m.get(&CollectiveKind::AllGather), Some(&Algorithm::Ring));
+        assert_eq!(m.get(&CollectiveKind::Broadcast), None);
+        let m = parse_algo("allreduce=rd, broadcast=tree").unwrap();
+        assert_eq!(
+            m.get(&CollectiveKind::AllReduce),
+            Some(&Algorithm::RecursiveDoubling)
+        );
+        assert_eq!(
+            m.get(&CollectiveKind::Broadcast),
+            Some(&Algorithm::BinomialTree)
+        );
+        for bad in [
+            "bogus",
+            "allreduce=tree",
+            "nothing=ring",
+            "dissemination=ring",
+        ] {
+            assert!(matches!(parse_algo(bad), Err(Error::Config(_))), "{bad}");
+        }
+    }
+
+    #[test]
+    fn size_picks_the_allreduce_algorithm() {
+        let comm = Communicator::new(0, 1, Arc::new(HashStore::new()), Options::default()).unwrap();
+        assert_eq!(
+            comm.algorithm_for(CollectiveKind::AllReduce, 2, DataType::F32),
+            Algorithm::RecursiveDoubling
+        );
+        assert_eq!(
+            comm.algorithm_for(CollectiveKind::AllReduce, 1 << 20, DataType::F32),
+            Algorithm::Ring
+        );
+        assert_eq!(
+            comm.algorithm_for(CollectiveKind::Broadcast, 2, DataType::F32),
+            Algorithm::BinomialTree
+        );
+        let forced = Options {
+            algo: Some("allreduce=ring".into()),
+            ..Options::default()
+        };
+        let comm = Communicator::new(0, 1, Arc::new(HashStore::new()), forced).unwrap();
+        assert_eq!(
+            comm.algorithm_for(CollectiveKind::AllReduce, 2, DataType::F32),
+            Algorithm::Ring
+        );
     }
 }

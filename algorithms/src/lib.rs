@@ -6,6 +6,7 @@
 //! no transport; transports know no algorithm.
 
 mod direct;
+mod doubling;
 mod executor;
 mod ring;
 pub mod schedule;

@@ -5,13 +5,15 @@ use std::fmt;
 
 use ccl_core::CollectiveKind;
 
-use crate::{direct, ring, schedule::Schedule, tree};
+use crate::{direct, doubling, ring, schedule::Schedule, tree};
 
 /// An algorithm that can build schedules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Ring: allreduce (reduce-scatter + allgather), allgather, reduce-scatter.
     Ring,
+    /// Recursive doubling: allreduce of small messages in ⌈log2 n⌉ rounds.
+    RecursiveDoubling,
     /// Binomial tree: broadcast, reduce.
     BinomialTree,
     /// Pairwise exchange: all-to-all.
@@ -24,8 +26,9 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 5] = [
+    pub const ALL: [Algorithm; 6] = [
         Algorithm::Ring,
+        Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
         Algorithm::Pairwise,
         Algorithm::Linear,
@@ -36,6 +39,7 @@ impl Algorithm {
     pub const fn name(self) -> &'static str {
         match self {
             Algorithm::Ring => "ring",
+            Algorithm::RecursiveDoubling => "rd",
             Algorithm::BinomialTree => "tree",
             Algorithm::Pairwise => "pairwise",
             Algorithm::Linear => "linear",
@@ -46,9 +50,8 @@ impl Algorithm {
     /// The algorithms that implement `kind` (none for send/recv, which needs no schedule builder).
     pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
         match kind {
-            CollectiveKind::AllReduce
-            | CollectiveKind::AllGather
-            | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
+            CollectiveKind::AllReduce => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
+            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
             CollectiveKind::AllToAll => &[Algorithm::Pairwise],
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
@@ -138,6 +141,9 @@ impl Spec {
         }
         Ok(match (kind, algorithm) {
             (CollectiveKind::AllReduce, Algorithm::Ring) => ring::allreduce(r, n, c, p, finalize),
+            (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
+                doubling::allreduce(r, n, c, p, finalize)
+            }
             (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
             (CollectiveKind::ReduceScatter, Algorithm::Ring) => {
                 ring::reduce_scatter(r, n, c, p, finalize)

@@ -116,6 +116,7 @@ enum Layout {
 
 /// Runs one collective on every rank; returns each rank's output.
 fn run(
+    algorithm: Algorithm,
     kind: CollectiveKind,
     n: usize,
     count: usize,
@@ -147,7 +148,7 @@ fn run(
             };
             let (in_elems, out_elems) = spec.buffer_elems();
             assert_eq!(input.len(), in_elems * esz, "{kind} input length");
-            let schedule = spec.build(Algorithm::for_kind(kind)[0]).unwrap();
+            let schedule = spec.build(algorithm).unwrap();
             let fp = Fingerprint::new(kind, dtype, count)
                 .with_op(op)
                 .with_root(root);
@@ -266,8 +267,12 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         bytes(&(0..len).map(|i| val(r, i)).collect::<Vec<_>>())
                     })
                     .collect();
-                for layout in [Layout::OutOfPlace, Layout::InPlace] {
+                let variants = Algorithm::for_kind(kind)
+                    .iter()
+                    .flat_map(|&a| [(a, Layout::OutOfPlace), (a, Layout::InPlace)]);
+                for (algorithm, layout) in variants {
                     let outs = run(
+                        algorithm,
                         kind,
                         n,
                         count,
@@ -282,7 +287,7 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         assert_eq!(
                             u64s(out),
                             expected(n, count, root, r),
-                            "{kind} n={n} count={count} root={root} rank={r} {layout:?}"
+                            "{kind} {algorithm} n={n} count={count} root={root} rank={r} {layout:?}"
                         );
                     }
                 }
@@ -369,6 +374,7 @@ fn scatter_all_sizes_and_roots() {
 fn barrier_all_sizes() {
     for n in 1..=16 {
         let outs = run(
+            Algorithm::Dissemination,
             CollectiveKind::Barrier,
             n,
             0,
@@ -415,8 +421,13 @@ fn every_op_reduces_correctly() {
                         .to_vec()
                 })
                 .collect();
-            for kind in [CollectiveKind::AllReduce, CollectiveKind::Reduce] {
+            for (kind, algorithm) in [
+                (CollectiveKind::AllReduce, Algorithm::Ring),
+                (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling),
+                (CollectiveKind::Reduce, Algorithm::BinomialTree),
+            ] {
                 let outs = run(
+                    algorithm,
                     kind,
                     n,
                     count,
@@ -428,7 +439,7 @@ fn every_op_reduces_correctly() {
                     &inputs,
                 );
                 let got: Vec<i32> = bytemuck::pod_collect_to_vec(&outs[n - 1]);
-                assert_eq!(got, want, "{kind} {op} n={n}");
+                assert_eq!(got, want, "{kind} {algorithm} {op} n={n}");
             }
             let rs_inputs: Vec<Vec<u8>> = (0..n)
                 .map(|r| {
@@ -441,6 +452,7 @@ fn every_op_reduces_correctly() {
                 })
                 .collect();
             let outs = run(
+                Algorithm::Ring,
                 CollectiveKind::ReduceScatter,
                 n,
                 count,
@@ -469,22 +481,28 @@ fn every_op_reduces_correctly() {
                 .to_vec()
             })
             .collect();
-        let outs = run(
-            CollectiveKind::AllReduce,
-            n,
-            count,
-            0,
-            ReduceOp::Avg,
-            4,
-            Layout::InPlace,
-            DataType::F64,
-            &finputs,
-        );
-        for out in outs {
-            let got: Vec<f64> = bytemuck::pod_collect_to_vec(&out);
-            for (i, g) in got.iter().enumerate() {
-                let want = (0..n).map(|r| (r * i) as f64 + 0.5).sum::<f64>() / n as f64;
-                assert!((g - want).abs() < 1e-9, "avg n={n} i={i}: {g} vs {want}");
+        for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+            let outs = run(
+                algorithm,
+                CollectiveKind::AllReduce,
+                n,
+                count,
+                0,
+                ReduceOp::Avg,
+                4,
+                Layout::InPlace,
+                DataType::F64,
+                &finputs,
+            );
+            for out in outs {
+                let got: Vec<f64> = bytemuck::pod_collect_to_vec(&out);
+                for (i, g) in got.iter().enumerate() {
+                    let want = (0..n).map(|r| (r * i) as f64 + 0.5).sum::<f64>() / n as f64;
+                    assert!(
+                        (g - want).abs() < 1e-9,
+                        "avg {algorithm} n={n} i={i}: {g} vs {want}"
+                    );
+                }
             }
         }
     }

@@ -54,6 +54,9 @@ pub struct Config {
     pub nsocks: usize,
     /// `CCL_DEBUG`: tracing filter (`warn`, `info`, `debug`, `trace`, or a full filter).
     pub debug: Option<String>,
+    /// `CCL_ALGO`: algorithm override, `ring` or per collective `allreduce=rd,broadcast=tree`
+    /// (parsed by the facade, which knows the algorithms).
+    pub algo: Option<String>,
 }
 
 /// Parses `600`, `2.5`, `30s`, `500ms`, `10m`, `1h` (a bare number is seconds).
@@ -187,6 +190,7 @@ impl Config {
             socket_ifname: var("CCL_SOCKET_IFNAME").filter(|s| !s.is_empty()),
             nsocks,
             debug: var("CCL_DEBUG").filter(|s| !s.is_empty()),
+            algo: var("CCL_ALGO").filter(|s| !s.is_empty()),
         })
     }
 }

@@ -70,6 +70,25 @@ impl CollectiveKind {
     }
 }
 
+impl std::str::FromStr for CollectiveKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let norm = s.to_ascii_lowercase().replace('_', "-");
+        let norm = match norm.as_str() {
+            "reducescatter" => "reduce-scatter",
+            "all-reduce" => "allreduce",
+            "all-gather" => "allgather",
+            "all-to-all" | "all2all" => "alltoall",
+            other => other,
+        }
+        .to_string();
+        CollectiveKind::ALL
+            .into_iter()
+            .find(|k| k.name() == norm)
+            .ok_or_else(|| format!("unknown collective '{s}'"))
+    }
+}
+
 impl fmt::Display for CollectiveKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())

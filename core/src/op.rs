@@ -564,9 +564,29 @@ mod tests {
     fn misaligned_and_mismatched_buffers_are_errors() {
         let mut d = crate::AlignedBuf::zeroed(16);
         let b = crate::AlignedBuf::zeroed(16);
-        let e = reduce(ReduceOp::Sum, DataType::F64, &mut d.as_mut_slice()[1..9], None, &b.as_slice()[..8]);
+        let e = reduce(
+            ReduceOp::Sum,
+            DataType::F64,
+            &mut d.as_mut_slice()[1..9],
+            None,
+            &b.as_slice()[..8],
+        );
         assert!(matches!(e, Err(Error::Internal(_))), "{e:?}");
-        assert!(reduce(ReduceOp::Sum, DataType::U8, &mut d.as_mut_slice()[..9], None, &b.as_slice()[..8]).is_err());
-        assert!(reduce(ReduceOp::Sum, DataType::F64, &mut d.as_mut_slice()[..8], None, &b.as_slice()[..8]).is_ok());
+        assert!(reduce(
+            ReduceOp::Sum,
+            DataType::U8,
+            &mut d.as_mut_slice()[..9],
+            None,
+            &b.as_slice()[..8]
+        )
+        .is_err());
+        assert!(reduce(
+            ReduceOp::Sum,
+            DataType::F64,
+            &mut d.as_mut_slice()[..8],
+            None,
+            &b.as_slice()[..8]
+        )
+        .is_ok());
     }
 }

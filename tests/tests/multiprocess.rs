@@ -29,6 +29,19 @@ fn every_collective_dtype_and_op_across_world_sizes() {
 }
 
 #[test]
+fn collectives_with_every_algorithm_forced() {
+    for (n, algo) in [(3, "ring"), (5, "ring"), (6, "rd")] {
+        let mut e = env("60s");
+        e.push(("CCL_ALGO", algo.into()));
+        let out = launch(WORKER, &["collectives"], n, &e, Duration::from_secs(240));
+        assert_all_ok(
+            &out,
+            &format!("collectives with {n} ranks, CCL_ALGO={algo}"),
+        );
+    }
+}
+
+#[test]
 fn collectives_with_several_sockets_per_peer() {
     let mut e = env("60s");
     e.push(("CCL_NSOCKS", "3".into()));
