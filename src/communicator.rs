@@ -377,12 +377,14 @@ impl Communicator {
         }
     }
 
-    /// Queues a collective; `done` gets the result once `io` is no longer touched.
+    /// Runs (`inline`, when nothing is queued) or queues a collective; `done`
+    /// gets the result once `io` is no longer touched.
     fn submit(
         &self,
         req: Request,
         io: IoBuffers<'static>,
         done: Box<dyn FnOnce(Result<()>) + Send>,
+        inline: bool,
     ) {
         let schedule = match self.schedule(&req) {
             Ok(s) => s,
@@ -398,14 +400,19 @@ impl Communicator {
             world_size: self.world_size,
             op: req.op,
         };
-        self.engine().submit(Job {
-            schedule,
-            call,
-            io,
-            deadline: self.options.timeout,
-            lane: None,
-            done,
-        });
+        // Sequence numbers must follow execution order: keep the lock while
+        // the job is queued (or, inline, runs).
+        self.engine().submit(
+            Job {
+                schedule,
+                call,
+                io,
+                deadline: self.options.timeout,
+                lane: None,
+                done,
+            },
+            inline,
+        );
     }
 
     /// Queues a point-to-point transfer (`send` true: to `peer`, else from `peer`).
@@ -441,14 +448,17 @@ impl Communicator {
             world_size: self.world_size,
             op: ReduceOp::Sum,
         };
-        self.engine().submit(Job {
-            schedule,
-            call,
-            io,
-            deadline: self.options.timeout,
-            lane: Some((peer, send)),
-            done,
-        });
+        self.engine().submit(
+            Job {
+                schedule,
+                call,
+                io,
+                deadline: self.options.timeout,
+                lane: Some((peer, send)),
+                done,
+            },
+            false,
+        );
     }
 
     /// Runs a call on borrowed memory and waits for it.
@@ -479,7 +489,7 @@ impl Communicator {
             Some(i) => IoBuffers::separate(bytemuck::cast_slice(i), out),
             None => IoBuffers::in_place(out),
         };
-        self.run_borrowed(io, |io, done| self.submit(req, io, done))
+        self.run_borrowed(io, |io, done| self.submit(req, io, done, true))
     }
 
     /// Runs `req` with `input` (or in place) and `output` given as sub-slices of
@@ -505,7 +515,7 @@ impl Communicator {
                 output_range.len() * s,
             )
         };
-        self.run_borrowed(io, |io, done| self.submit(req, io, done))
+        self.run_borrowed(io, |io, done| self.submit(req, io, done, true))
     }
 
     /// Pre-multiplies a copy of the input for `PreMulSum`; other ops need none.
@@ -880,7 +890,7 @@ impl Communicator {
         let io = unsafe { IoBuffers::from_raw(in_ptr, in_len, out_ptr, out_len) };
         let done =
             Box::new(move |r: Result<()>| completer.complete(r.map(|()| finish(input, output))));
-        self.submit(req, io, done);
+        self.submit(req, io, done, false);
         work
     }
 

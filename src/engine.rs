@@ -1,5 +1,11 @@
-//! The engine: one progress thread per communicator that runs its calls in
-//! the order they were issued, each under a deadline.
+//! The engine: runs a communicator's calls in the order they were issued,
+//! each under a deadline, on the communicator's own current-thread runtime.
+//!
+//! Whoever needs progress drives the runtime. A blocking call that finds
+//! nothing queued runs inline on the caller's thread (no hand-off to another
+//! thread, which on small messages costs as much as the network). Everything
+//! else is queued for the progress thread, which drives the runtime while
+//! there is queued work or a transfer in flight, and sleeps otherwise.
 //!
 //! Collectives run one at a time, in issue order. Point-to-point transfers run
 //! in lanes, one per (peer, direction), so that a receive posted before a send
@@ -14,10 +20,10 @@
 //! record, so it names the rank that failed rather than the messenger.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::{
         atomic::{AtomicUsize, Ordering},
-        Arc, Mutex,
+        Arc, Condvar, Mutex, MutexGuard,
     },
     thread,
     time::Duration,
@@ -25,7 +31,7 @@ use std::{
 
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
 use ccl_core::{AbortNotice, AlignedBuf, Error, Link, Result, Store};
-use tokio::sync::{mpsc, Notify};
+use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
 /// How long aborting may spend telling the peers.
 const ABORT_NOTICE_DEADLINE: Duration = Duration::from_secs(2);
@@ -46,32 +52,57 @@ pub(crate) struct Job {
     pub done: Box<dyn FnOnce(Result<()>) + Send>,
 }
 
-/// State the progress thread shares with its lanes and with submitters.
+/// What waits to run, and whether some thread is driving the runtime.
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// A thread (the caller inline, or the progress thread) is driving the runtime.
+    driving: bool,
+    closed: bool,
+}
+
+/// State shared by the engine handle, the progress thread and the lanes.
 struct Shared {
     rank: usize,
     links: Vec<Option<Arc<dyn Link>>>,
     store: Arc<dyn Store>,
     broken: Mutex<Option<Error>>,
+    queue: Mutex<Queue>,
+    /// Wakes the progress thread when it sleeps outside the runtime.
+    wake_thread: Condvar,
+    /// Wakes the progress thread when it waits inside the runtime.
+    wake_task: Notify,
     /// Point-to-point transfers queued or running.
     transfers: AtomicUsize,
     transfers_done: Notify,
+    /// Scratch memory of collectives (one runs at a time).
+    scratch: Mutex<AlignedBuf>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing under these locks can be left half-updated by a panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
     fn broken(&self) -> Option<Error> {
-        self.broken
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.broken).clone()
+    }
+
+    fn fail_broken(&self, job: Job) {
+        let cause = self
+            .broken()
+            .map_or_else(|| "the communicator was dropped".into(), |e| e.to_string());
+        (job.done)(Err(Error::Broken {
+            rank: self.rank,
+            cause,
+        }));
     }
 
     /// Runs one job to completion (or failure), breaking the communicator on error.
     async fn run(&self, job: Job, scratch: &mut AlignedBuf) {
-        if let Some(cause) = self.broken() {
-            return (job.done)(Err(Error::Broken {
-                rank: self.rank,
-                cause: cause.to_string(),
-            }));
+        if self.broken().is_some() {
+            return self.fail_broken(job);
         }
         let rank = self.rank;
         let result = match tokio::time::timeout(
@@ -93,7 +124,7 @@ impl Shared {
         };
         if let Err(e) = &result {
             let first = {
-                let mut b = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+                let mut b = lock(&self.broken);
                 let first = b.is_none();
                 if first {
                     *b = Some(e.clone());
@@ -160,8 +191,7 @@ impl Shared {
 
     async fn wait_for_transfers(&self) {
         loop {
-            let notified = self.transfers_done.notified();
-            let mut notified = std::pin::pin!(notified);
+            let mut notified = std::pin::pin!(self.transfers_done.notified());
             notified.as_mut().enable();
             if self.transfers.load(Ordering::Acquire) == 0 {
                 return;
@@ -169,57 +199,90 @@ impl Shared {
             notified.await;
         }
     }
+
+    fn transfer_finished(&self) {
+        self.transfers.fetch_sub(1, Ordering::AcqRel);
+        self.transfers_done.notify_waiters();
+        self.wake_task.notify_one();
+    }
 }
 
-/// The submitting side of a communicator's progress thread.
+/// The submitting side of a communicator's engine.
 pub(crate) struct Engine {
     shared: Arc<Shared>,
-    jobs: mpsc::UnboundedSender<Job>,
+    runtime: Arc<Runtime>,
 }
 
 impl Engine {
-    /// Starts the progress thread, which owns `runtime` and drives `links`.
-    /// `store` is the communicator's own (prefixed) store.
+    /// Starts the progress thread for `links` on `runtime`. `store` is the
+    /// communicator's own (prefixed) store.
     pub fn start(
         rank: usize,
-        runtime: tokio::runtime::Runtime,
+        runtime: Runtime,
         links: Vec<Option<Arc<dyn Link>>>,
         store: Arc<dyn Store>,
     ) -> Result<Engine> {
-        let (jobs, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             rank,
             links,
             store,
             broken: Mutex::new(None),
+            queue: Mutex::new(Queue::default()),
+            wake_thread: Condvar::new(),
+            wake_task: Notify::new(),
             transfers: AtomicUsize::new(0),
             transfers_done: Notify::new(),
+            scratch: Mutex::new(AlignedBuf::zeroed(0)),
         });
-        let state = shared.clone();
+        let runtime = Arc::new(runtime);
+        let (state, rt) = (shared.clone(), runtime.clone());
         thread::Builder::new()
             .name(format!("ccl-rank{rank}"))
-            .spawn(move || runtime.block_on(progress(state, rx)))
+            .spawn(move || progress_thread(state, rt))
             .map_err(|e| Error::io("starting the progress thread", e))?;
-        Ok(Engine { shared, jobs })
+        Ok(Engine { shared, runtime })
     }
 
-    /// Queues a job; it fails at once if the communicator is broken.
-    pub fn submit(&self, job: Job) {
-        let rank = self.shared.rank;
-        if let Some(cause) = self.shared.broken() {
-            return (job.done)(Err(Error::Broken {
-                rank,
-                cause: cause.to_string(),
-            }));
+    /// Runs or queues a job. With `inline`, a collective that finds nothing
+    /// queued runs on this thread before `submit` returns.
+    pub fn submit(&self, job: Job, inline: bool) {
+        if self.shared.broken().is_some() {
+            return self.shared.fail_broken(job);
         }
-        if job.lane.is_some() {
-            self.shared.transfers.fetch_add(1, Ordering::AcqRel);
-        }
-        if let Err(mpsc::error::SendError(job)) = self.jobs.send(job) {
-            (job.done)(Err(Error::Broken {
-                rank,
-                cause: "the progress thread has stopped".into(),
-            }));
+        // Driving the runtime from inside another runtime would panic.
+        let inline = inline && job.lane.is_none() && tokio::runtime::Handle::try_current().is_err();
+        let job = {
+            let mut q = lock(&self.shared.queue);
+            if q.closed {
+                drop(q);
+                return self.shared.fail_broken(job);
+            }
+            if inline && !q.driving && q.jobs.is_empty() {
+                q.driving = true;
+                Some(job)
+            } else {
+                if job.lane.is_some() {
+                    self.shared.transfers.fetch_add(1, Ordering::AcqRel);
+                }
+                q.jobs.push_back(job);
+                None
+            }
+        };
+        match job {
+            Some(job) => {
+                let mut scratch = lock(&self.shared.scratch);
+                self.runtime.block_on(self.shared.run(job, &mut scratch));
+                drop(scratch);
+                let mut q = lock(&self.shared.queue);
+                q.driving = false;
+                if !q.jobs.is_empty() {
+                    self.shared.wake_thread.notify_one();
+                }
+            }
+            None => {
+                self.shared.wake_thread.notify_one();
+                self.shared.wake_task.notify_one();
+            }
         }
     }
 
@@ -229,13 +292,69 @@ impl Engine {
     }
 }
 
-async fn progress(shared: Arc<Shared>, mut jobs: mpsc::UnboundedReceiver<Job>) {
-    let mut scratch = AlignedBuf::zeroed(0);
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // The progress thread finishes what is queued, then exits.
+        lock(&self.shared.queue).closed = true;
+        self.shared.wake_thread.notify_one();
+        self.shared.wake_task.notify_one();
+    }
+}
+
+/// Sleeps until there is queued work and nobody drives the runtime, then
+/// drives it until the queue is empty and no transfer is in flight.
+fn progress_thread(shared: Arc<Shared>, runtime: Arc<Runtime>) {
     let mut lanes: HashMap<(usize, bool), mpsc::UnboundedSender<Job>> = HashMap::new();
-    while let Some(job) = jobs.recv().await {
+    loop {
+        {
+            let mut q = lock(&shared.queue);
+            while (q.jobs.is_empty() || q.driving) && !(q.closed && q.jobs.is_empty() && !q.driving)
+            {
+                q = shared
+                    .wake_thread
+                    .wait(q)
+                    .unwrap_or_else(|p| p.into_inner());
+            }
+            if q.closed && q.jobs.is_empty() {
+                break;
+            }
+            q.driving = true;
+        }
+        runtime.block_on(drive(&shared, &mut lanes));
+    }
+    // Let transfers still in their lanes finish before the runtime goes away.
+    drop(lanes);
+    runtime.block_on(shared.wait_for_transfers());
+}
+
+/// Runs queued jobs until none is left and no transfer is in flight; then
+/// gives up driving (under the queue lock, so no job is missed).
+async fn drive(
+    shared: &Arc<Shared>,
+    lanes: &mut HashMap<(usize, bool), mpsc::UnboundedSender<Job>>,
+) {
+    loop {
+        let next = {
+            let mut q = lock(&shared.queue);
+            match q.jobs.pop_front() {
+                Some(job) => Some(job),
+                None if shared.transfers.load(Ordering::Acquire) == 0 => {
+                    q.driving = false;
+                    return;
+                }
+                None => None,
+            }
+        };
+        let Some(job) = next else {
+            // Transfers are running: wait for one to finish or for new work.
+            shared.wake_task.notified().await;
+            continue;
+        };
         let Some(lane) = job.lane else {
             shared.wait_for_transfers().await;
+            let mut scratch = std::mem::replace(&mut *lock(&shared.scratch), AlignedBuf::zeroed(0));
             shared.run(job, &mut scratch).await;
+            *lock(&shared.scratch) = scratch;
             continue;
         };
         let tx = lanes.entry(lane).or_insert_with(|| {
@@ -245,19 +364,14 @@ async fn progress(shared: Arc<Shared>, mut jobs: mpsc::UnboundedReceiver<Job>) {
                 let mut scratch = AlignedBuf::zeroed(0);
                 while let Some(job) = rx.recv().await {
                     shared.run(job, &mut scratch).await;
-                    shared.transfers.fetch_sub(1, Ordering::AcqRel);
-                    shared.transfers_done.notify_waiters();
+                    shared.transfer_finished();
                 }
             });
             tx
         });
         if let Err(mpsc::error::SendError(job)) = tx.send(job) {
             (job.done)(Err(Error::Internal("a transfer lane stopped".into())));
-            shared.transfers.fetch_sub(1, Ordering::AcqRel);
-            shared.transfers_done.notify_waiters();
+            shared.transfer_finished();
         }
     }
-    // The communicator is gone: let queued transfers finish before the runtime stops.
-    drop(lanes);
-    shared.wait_for_transfers().await;
 }

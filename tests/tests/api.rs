@@ -168,3 +168,23 @@ fn world_of_one_needs_no_peers() {
     comm.barrier().unwrap();
     assert!(Communicator::new(1, 1, Arc::new(HashStore::new()), Options::default()).is_err());
 }
+
+#[test]
+fn blocking_calls_from_inside_an_async_runtime_do_not_panic() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        // Inside a runtime ccl cannot drive its own inline; it queues the call instead.
+        let v = rt.block_on(async {
+            let mut v = vec![1u32; 4];
+            comm.allreduce(&mut v, ReduceOp::Sum).map(|()| v)
+        });
+        let w = rt.block_on(comm.iallreduce(vec![2u32; 4], ReduceOp::Max));
+        (v.unwrap(), w.unwrap())
+    });
+    for (v, w) in results {
+        assert_eq!(v, vec![2; 4]);
+        assert_eq!(w, vec![2; 4]);
+    }
+}
