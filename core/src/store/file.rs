@@ -258,36 +258,7 @@ mod tests {
     fn semantics() {
         let dir = tempfile::tempdir().unwrap();
         let s = Arc::new(FileStore::new(dir.path().join("new/sub")).unwrap());
-        assert_eq!(s.try_get("a").unwrap(), None);
-        s.set("a", b"1").unwrap();
-        assert_eq!(s.get("a", Duration::from_secs(1)).unwrap(), b"1");
-        s.set("a", b"").unwrap();
-        assert_eq!(s.try_get("a").unwrap(), Some(vec![]));
-        assert_eq!(s.add("n", 5).unwrap(), 5);
-        assert_eq!(s.add("n", -2).unwrap(), 3);
-        assert_eq!(s.try_get("n").unwrap().unwrap(), b"3");
-        assert_eq!(s.add("m", i64::MAX).unwrap(), i64::MAX);
-        assert_eq!(s.add("m", 1).unwrap(), i64::MIN);
-        s.set("x", b"not a number").unwrap();
-        assert!(matches!(s.add("x", 1), Err(Error::InvalidArgument(_))));
-        assert_eq!(s.compare_set("c", None, b"v").unwrap(), b"v");
-        assert_eq!(s.compare_set("c", None, b"w").unwrap(), b"v");
-        assert_eq!(s.compare_set("c", Some(b"w"), b"z").unwrap(), b"v");
-        assert_eq!(s.compare_set("c", Some(b"v"), b"z").unwrap(), b"z");
-        assert_eq!(s.compare_set("unset", Some(b"v"), b"z").unwrap(), b"");
-        assert_eq!(s.try_get("unset").unwrap(), None);
-        assert!(s.delete("c").unwrap());
-        assert!(!s.delete("c").unwrap());
-        assert_eq!(s.try_get("c").unwrap(), None);
-        s.wait(&[], Duration::ZERO).unwrap();
-        s.wait(&["a", "n"], Duration::ZERO).unwrap();
-        let e = s
-            .wait(&["a", "never", "nor"], Duration::from_millis(20))
-            .unwrap_err();
-        match &e {
-            Error::Timeout { what, .. } => assert_eq!(what, r#"keys ["never", "nor"]"#),
-            _ => panic!("{e}"),
-        }
+        super::super::conformance(&*s);
         assert!(s.describe().starts_with("file://"));
         let s2 = s.clone();
         let t = thread::spawn(move || s2.wait(&["late"], T));

@@ -116,21 +116,7 @@ mod tests {
     #[test]
     fn semantics() {
         let s = Arc::new(HashStore::new());
-        assert_eq!(s.try_get("a").unwrap(), None);
-        s.set("a", b"1").unwrap();
-        assert_eq!(s.get("a", Duration::from_secs(1)).unwrap(), b"1");
-        assert_eq!(s.add("n", 5).unwrap(), 5);
-        assert_eq!(s.add("n", -2).unwrap(), 3);
-        assert!(s.add("a", 1).is_ok());
-        s.set("x", b"not a number").unwrap();
-        assert!(s.add("x", 1).is_err());
-        assert_eq!(s.compare_set("c", None, b"v").unwrap(), b"v");
-        assert_eq!(s.compare_set("c", Some(b"w"), b"z").unwrap(), b"v");
-        assert_eq!(s.compare_set("c", Some(b"v"), b"z").unwrap(), b"z");
-        assert!(s.delete("c").unwrap());
-        assert!(!s.delete("c").unwrap());
-        let e = s.wait(&["never"], Duration::from_millis(20)).unwrap_err();
-        assert!(matches!(e, Error::Timeout { .. }), "{e}");
+        super::super::conformance(&*s);
         let s2 = s.clone();
         let t = std::thread::spawn(move || s2.wait(&["late"], Duration::from_secs(5)));
         std::thread::sleep(Duration::from_millis(10));
