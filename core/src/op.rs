@@ -329,9 +329,16 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
     if buf.is_empty() {
         return Ok(());
     }
+    // Integer products wrap, so the scalar is taken modulo 2^bits: exact for
+    // any whole f64 (one of magnitude 2^127 or more is a multiple of 2^75).
+    let wrapped: u128 = if s.abs() < 2f64.powi(127) {
+        s as i128 as u128
+    } else {
+        0
+    };
     macro_rules! int {
         ($t:ty) => {{
-            let k = s as i64 as $t;
+            let k = wrapped as $t;
             typed_mut::<$t>(buf, "buffer")?
                 .iter_mut()
                 .for_each(|x| *x = x.wrapping_mul(k));
@@ -546,6 +553,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(i, [3, -3]);
+    }
+
+    #[test]
+    fn integer_prescale_wraps_like_the_integer_product() {
+        let mut v = [3u64];
+        prescale(
+            ReduceOp::PreMulSum(2f64.powi(64)),
+            DataType::U64,
+            bytemuck::cast_slice_mut(&mut v),
+        )
+        .unwrap();
+        assert_eq!(v, [0]);
+        let mut w = [3i32];
+        prescale(
+            ReduceOp::PreMulSum(1e19),
+            DataType::I32,
+            bytemuck::cast_slice_mut(&mut w),
+        )
+        .unwrap();
+        assert_eq!(
+            w,
+            [3i32.wrapping_mul((10_000_000_000_000_000_000u128 % (1u128 << 32)) as u32 as i32)]
+        );
+        let mut x = [5i8];
+        prescale(
+            ReduceOp::PreMulSum(-3.0),
+            DataType::I8,
+            bytemuck::cast_slice_mut(&mut x),
+        )
+        .unwrap();
+        assert_eq!(x, [-15]);
+        let mut y = [7u8];
+        prescale(
+            ReduceOp::PreMulSum(1.5e30),
+            DataType::U8,
+            bytemuck::cast_slice_mut(&mut y),
+        )
+        .unwrap();
+        assert_eq!(y, [7u8.wrapping_mul((1.5e30f64 as u128 % 256) as u8)]);
     }
 
     #[test]
