@@ -1,0 +1,439 @@
+//! The command line, and its validation into a [`Plan`].
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use ccl::{Algorithm, DataType, ReduceOp};
+use clap::{Args, Parser, Subcommand};
+
+use crate::{coll::Coll, size};
+
+/// Default sweep when no size is given.
+pub const DEFAULT_MIN_SIZE: u64 = 8;
+pub const DEFAULT_MAX_SIZE: u64 = 32 << 20;
+/// Default deadline of every call when neither --timeout nor CCL_TIMEOUT is set.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Most ranks ccl-bench spawns by default, and at all.
+pub const DEFAULT_MAX_RANKS: usize = 8;
+pub const MAX_RANKS: usize = 256;
+
+const AFTER_HELP: &str = "\
+Sizes: 8B, 64KB, 256MB, 1GiB... K, M and G are powers of two however written
+(256MB = 256MiB = 268435456 bytes, as in nccl-tests). The size is the whole
+buffer: for allgather, reduce-scatter, alltoall, gather and scatter that is
+n x the per-rank part.
+
+Without a launcher ccl-bench starts --ranks local processes of itself
+(torchrun-style variables, a free MASTER_PORT). Under ccl-run, mpirun, srun or
+torchrun (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_* with MASTER_ADDR
+and MASTER_PORT or CCL_STORE_PATH) each process joins as one rank.
+
+Exit status: 0 on success, 1 if a run failed (a rank died, a call failed or
+timed out, --check found wrong results), 2 for bad arguments.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "ccl-bench",
+    version,
+    about = "nccl-tests-style benchmarks of ccl's collectives (and OpenMPI side by side)",
+    after_help = AFTER_HELP,
+    subcommand_required = true,
+    arg_required_else_help = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub cmd: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Cmd {
+    /// Every rank gets the reduction of every rank's buffer
+    Allreduce(BenchArgs),
+    /// The root's buffer is copied to every rank
+    Broadcast(BenchArgs),
+    /// The root gets the reduction of every rank's buffer
+    Reduce(BenchArgs),
+    /// Every rank gets every rank's part, in rank order
+    Allgather(BenchArgs),
+    /// Every rank gets its part of the reduction
+    ReduceScatter(BenchArgs),
+    /// Part p of every rank's buffer goes to rank p
+    Alltoall(BenchArgs),
+    /// The root gets every rank's part
+    Gather(BenchArgs),
+    /// Part p of the root's buffer goes to rank p
+    Scatter(BenchArgs),
+    /// Ring exchange: each rank sends to rank+1 and receives from rank-1 at once
+    Sendrecv(BenchArgs),
+    /// Every rank waits for all others (sizes are ignored)
+    Barrier(BenchArgs),
+    /// Run ccl and OpenMPI (shared memory, and TCP) alternately on the same sizes and ranks
+    CompareMpi(CompareArgs),
+}
+
+impl Cmd {
+    /// The collective and arguments of a benchmark subcommand.
+    pub fn bench(self) -> Result<(Coll, BenchArgs), Box<CompareArgs>> {
+        Ok(match self {
+            Cmd::Allreduce(a) => (Coll::Allreduce, a),
+            Cmd::Broadcast(a) => (Coll::Broadcast, a),
+            Cmd::Reduce(a) => (Coll::Reduce, a),
+            Cmd::Allgather(a) => (Coll::Allgather, a),
+            Cmd::ReduceScatter(a) => (Coll::ReduceScatter, a),
+            Cmd::Alltoall(a) => (Coll::Alltoall, a),
+            Cmd::Gather(a) => (Coll::Gather, a),
+            Cmd::Scatter(a) => (Coll::Scatter, a),
+            Cmd::Sendrecv(a) => (Coll::Sendrecv, a),
+            Cmd::Barrier(a) => (Coll::Barrier, a),
+            Cmd::CompareMpi(a) => return Err(Box::new(a)),
+        })
+    }
+}
+
+fn size_arg(s: &str) -> Result<u64, String> {
+    size::parse_size(s)
+}
+
+fn ranks_arg(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of ranks"))?;
+    if n == 0 {
+        return Err("must be at least 1".into());
+    }
+    if n > MAX_RANKS {
+        return Err(format!("at most {MAX_RANKS} ranks"));
+    }
+    Ok(n)
+}
+
+fn iters_arg(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a whole number"))?;
+    if n == 0 {
+        return Err("must be at least 1".into());
+    }
+    Ok(n)
+}
+
+fn count_arg(s: &str) -> Result<usize, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a whole number"))
+}
+
+fn factor_arg(s: &str) -> Result<f64, String> {
+    let f: f64 = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number"))?;
+    if !(f.is_finite() && f > 1.0) {
+        return Err("must be a number above 1".into());
+    }
+    Ok(f)
+}
+
+fn timeout_arg(s: &str) -> Result<Duration, String> {
+    ccl::config::parse_duration(s)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("'{s}' is not a positive duration like 30, 30s, 500ms or 10m"))
+}
+
+fn dtype_arg(s: &str) -> Result<DataType, String> {
+    s.parse()
+}
+
+fn op_arg(s: &str) -> Result<ReduceOp, String> {
+    s.parse()
+}
+
+/// Message sizes: one, or a sweep.
+#[derive(Args, Debug, Clone)]
+pub struct SizeArgs {
+    /// One message size (e.g. 256MB; K/M/G are powers of two)
+    #[arg(short = 's', long, value_name = "SIZE", value_parser = size_arg,
+          allow_hyphen_values = true, conflicts_with_all = ["min_size", "max_size"])]
+    pub size: Option<u64>,
+    /// First size of a sweep [default: 8B]
+    #[arg(short = 'b', long, value_name = "SIZE", value_parser = size_arg, allow_hyphen_values = true)]
+    pub min_size: Option<u64>,
+    /// Last size of a sweep [default: 32MB]
+    #[arg(short = 'e', long, value_name = "SIZE", value_parser = size_arg, allow_hyphen_values = true)]
+    pub max_size: Option<u64>,
+    /// Each size of a sweep is the previous one times this
+    #[arg(short = 'f', long, value_name = "X", default_value = "2", value_parser = factor_arg,
+          allow_hyphen_values = true)]
+    pub factor: f64,
+}
+
+impl SizeArgs {
+    pub fn sizes(&self) -> Result<Vec<u64>, String> {
+        match self.size {
+            Some(s) => Ok(vec![s]),
+            None => size::sweep(
+                self.min_size.unwrap_or(DEFAULT_MIN_SIZE),
+                self.max_size
+                    .unwrap_or(DEFAULT_MAX_SIZE.max(self.min_size.unwrap_or(0))),
+                self.factor,
+            ),
+        }
+    }
+}
+
+/// Flags shared by the benchmarks and compare-mpi.
+#[derive(Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
+    #[arg(short = 'N', long, value_name = "N", value_parser = ranks_arg, allow_hyphen_values = true)]
+    pub ranks: Option<usize>,
+    /// Element type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64
+    #[arg(short = 'd', long, value_name = "TYPE", default_value = "f32", value_parser = dtype_arg)]
+    pub dtype: DataType,
+    /// Reduction op: sum prod min max avg band bor bxor premulsum(X)
+    #[arg(short = 'o', long, value_name = "OP", default_value = "sum", value_parser = op_arg)]
+    pub op: ReduceOp,
+    /// Root rank of broadcast, reduce, gather and scatter
+    #[arg(short = 'r', long, value_name = "RANK", default_value = "0", value_parser = count_arg,
+          allow_hyphen_values = true)]
+    pub root: usize,
+    /// Timed iterations per size
+    #[arg(short = 'n', long, value_name = "N", default_value = "20", value_parser = iters_arg,
+          allow_hyphen_values = true)]
+    pub iters: usize,
+    /// Untimed iterations before the timed ones
+    #[arg(short = 'w', long, value_name = "N", default_value = "5", value_parser = count_arg,
+          allow_hyphen_values = true)]
+    pub warmup: usize,
+    /// Use the in-place form of the collective (output in the input buffer)
+    #[arg(long)]
+    pub inplace: bool,
+    /// Deadline of every call and of the set-up (e.g. 30s, 2m) [default: CCL_TIMEOUT, else 60s]
+    #[arg(long, value_name = "DURATION", value_parser = timeout_arg)]
+    pub timeout: Option<Duration>,
+    /// Write every figure and the run's configuration as JSON
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write every figure and the run's configuration as CSV
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+    /// Draw bus bandwidth against size (PNG)
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<PathBuf>,
+}
+
+/// Flags of a benchmark subcommand.
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub sizes: SizeArgs,
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// Transport (only tcp exists today)
+    #[arg(short = 't', long, value_name = "NAME", default_value = "tcp")]
+    pub transport: String,
+    /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms
+    #[arg(short = 'a', long, value_name = "ALGO", default_value = "auto")]
+    pub algo: String,
+    /// Verify every iteration's result against independently computed values
+    #[arg(short = 'c', long)]
+    pub check: bool,
+}
+
+/// Flags of compare-mpi.
+#[derive(Args, Debug, Clone)]
+pub struct CompareArgs {
+    /// The collective to compare
+    #[arg(value_enum, value_name = "COLLECTIVE")]
+    pub collective: Coll,
+    #[command(flatten)]
+    pub sizes: SizeArgs,
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// mpirun to launch OpenMPI with
+    #[arg(long, value_name = "PATH", default_value = "mpirun")]
+    pub mpirun: String,
+    /// mpicc to build the OpenMPI benchmark with (into the target directory)
+    #[arg(long, value_name = "PATH", default_value = "mpicc")]
+    pub mpicc: String,
+}
+
+/// One benchmark run, validated.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub coll: Coll,
+    /// Requested sizes in bytes ([0] for barrier).
+    pub sizes: Vec<u64>,
+    pub dtype: DataType,
+    pub op: ReduceOp,
+    pub root: usize,
+    pub iters: usize,
+    pub warmup: usize,
+    pub inplace: bool,
+    pub check: bool,
+    /// One entry per algorithm to run; `None` is ccl's own choice.
+    pub algos: Vec<Option<Algorithm>>,
+    pub algo_requested: String,
+    pub transport: String,
+    pub timeout: Duration,
+    pub ranks: Option<usize>,
+    pub json: Option<PathBuf>,
+    pub csv: Option<PathBuf>,
+    pub plot: Option<PathBuf>,
+}
+
+/// Checks that the directory `path` will be written in exists.
+pub fn check_output_dir(flag: &str, path: &Path) -> Result<(), String> {
+    if path.as_os_str().is_empty() {
+        return Err(format!("{flag}: empty file name"));
+    }
+    if path.is_dir() {
+        return Err(format!("{flag} {}: is a directory", path.display()));
+    }
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() && !dir.is_dir() => Err(format!(
+            "{flag} {}: directory {} does not exist",
+            path.display(),
+            dir.display()
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The default number of local ranks: 2, or the number of cores up to 8.
+pub fn default_ranks() -> usize {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    cores.clamp(2, DEFAULT_MAX_RANKS)
+}
+
+/// The timeout: --timeout, else CCL_TIMEOUT, else [`DEFAULT_TIMEOUT`].
+pub fn timeout(flag: Option<Duration>) -> Result<Duration, String> {
+    if let Some(t) = flag {
+        return Ok(t);
+    }
+    match std::env::var("CCL_TIMEOUT") {
+        Ok(v) => ccl::config::parse_duration(&v)
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| format!("CCL_TIMEOUT={v:?} is not a duration like 600, 30s or 10m")),
+        Err(_) => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+/// Checks the op against the dtype (for collectives that reduce).
+pub fn check_op(coll: Coll, op: ReduceOp, dtype: DataType) -> Result<(), String> {
+    if !coll.has_op() {
+        return Ok(());
+    }
+    op.validate(dtype).map_err(|e| {
+        let m = e.to_string();
+        let m = m.strip_prefix("invalid argument: ").unwrap_or(&m);
+        format!("--op {op} with --dtype {dtype}: {m}")
+    })
+}
+
+fn algos(coll: Coll, requested: &str) -> Result<Vec<Option<Algorithm>>, String> {
+    let have = coll.algorithms();
+    let names: Vec<&str> = ["auto", "all"]
+        .into_iter()
+        .chain(have.iter().map(|a| a.name()))
+        .collect();
+    match requested.to_ascii_lowercase().as_str() {
+        "auto" => Ok(vec![None]),
+        "all" if have.is_empty() => Ok(vec![None]),
+        "all" => Ok(have.iter().map(|a| Some(*a)).collect()),
+        name => {
+            let algo: Algorithm = name.parse().map_err(|_| {
+                format!(
+                    "--algo {requested}: unknown algorithm ({} has: {})",
+                    coll.name(),
+                    names.join(", ")
+                )
+            })?;
+            if !have.contains(&algo) {
+                return Err(format!(
+                    "--algo {requested}: {} has no {algo} algorithm (it has: {})",
+                    coll.name(),
+                    names.join(", ")
+                ));
+            }
+            Ok(vec![Some(algo)])
+        }
+    }
+}
+
+/// Validation shared by the benchmarks and compare-mpi.
+pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan, String> {
+    let sizes = if coll == Coll::Barrier {
+        vec![0]
+    } else {
+        sizes.sizes()?
+    };
+    check_op(coll, c.op, c.dtype)?;
+    if coll == Coll::Sendrecv && c.inplace {
+        return Err("sendrecv has no in-place form (drop --inplace)".into());
+    }
+    for (flag, path) in [("--json", &c.json), ("--csv", &c.csv)] {
+        if let Some(p) = path {
+            check_output_dir(flag, p)?;
+        }
+    }
+    if let Some(p) = &c.plot {
+        crate::plot::check_path(p)?;
+    }
+    Ok(Plan {
+        coll,
+        sizes,
+        dtype: c.dtype,
+        op: c.op,
+        root: c.root,
+        iters: c.iters,
+        warmup: c.warmup,
+        inplace: c.inplace,
+        check: false,
+        algos: vec![None],
+        algo_requested: "auto".into(),
+        transport: "tcp".into(),
+        timeout: timeout(c.timeout)?,
+        ranks: c.ranks,
+        json: c.json.clone(),
+        csv: c.csv.clone(),
+        plot: c.plot.clone(),
+    })
+}
+
+/// Validates a benchmark subcommand (everything that does not depend on the number of ranks).
+pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
+    let mut plan = common_plan(coll, &a.sizes, &a.common)?;
+    let transport = a.transport.to_ascii_lowercase();
+    if transport != "tcp" {
+        return Err(format!(
+            "--transport {}: not available (ccl has only the tcp transport today)",
+            a.transport
+        ));
+    }
+    plan.transport = transport;
+    plan.algos = algos(coll, &a.algo)?;
+    plan.algo_requested = a.algo.to_ascii_lowercase();
+    plan.check = a.check;
+    Ok(plan)
+}
+
+impl Plan {
+    /// Validation that needs the number of ranks.
+    pub fn check_world(&self, n: usize) -> Result<(), String> {
+        if self.coll.has_root() && self.root >= n {
+            return Err(format!(
+                "--root {} is not below the number of ranks ({n})",
+                self.root
+            ));
+        }
+        if self.coll == Coll::Sendrecv && n < 2 {
+            return Err("sendrecv needs at least 2 ranks".into());
+        }
+        Ok(())
+    }
+}

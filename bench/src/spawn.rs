@@ -1,0 +1,189 @@
+//! Local mode: ccl-bench starts N processes of itself as ranks and watches them.
+//!
+//! Each rank gets torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
+//! LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT), stays in
+//! ccl-bench's process group (so Ctrl-C reaches every rank) and is killed by
+//! the kernel if ccl-bench dies (PR_SET_PDEATHSIG). One thread per rank waits
+//! for it; the first rank to exit with a failure is reported
+//! ("rank R exited with status S") and every other rank is killed at once.
+//! A rank is only ever signalled while it is known not to have been reaped,
+//! so a recycled pid is never hit.
+
+use std::{
+    ffi::OsString,
+    io,
+    net::{Ipv4Addr, TcpListener},
+    os::unix::process::{CommandExt, ExitStatusExt},
+    process::{Command, ExitStatus, Stdio},
+    sync::{mpsc, Arc, Mutex},
+    time::SystemTime,
+};
+
+use nix::{
+    sys::{
+        signal::{kill, Signal},
+        wait::{waitid, Id, WaitPidFlag},
+    },
+    unistd::Pid,
+};
+
+/// Set in the ranks ccl-bench starts: when the parent started (ns since the epoch).
+pub const T0_VAR: &str = "CCL_BENCH_SPAWN_T0";
+
+/// Nanoseconds since the epoch.
+pub fn epoch_ns(t: SystemTime) -> u128 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+/// The variables rank `rank` of `n` gets.
+pub fn rank_env(rank: usize, n: usize, port: u16, t0: SystemTime) -> Vec<(String, String)> {
+    vec![
+        ("RANK".into(), rank.to_string()),
+        ("LOCAL_RANK".into(), rank.to_string()),
+        ("WORLD_SIZE".into(), n.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), n.to_string()),
+        ("GROUP_RANK".into(), "0".into()),
+        ("MASTER_ADDR".into(), "127.0.0.1".into()),
+        ("MASTER_PORT".into(), port.to_string()),
+        (T0_VAR.into(), epoch_ns(t0).to_string()),
+    ]
+}
+
+/// A currently free TCP port on loopback.
+pub fn free_port() -> io::Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// "exited with status 3" / "was killed by signal SIGKILL".
+pub fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with status {c}"),
+        (None, Some(s)) => match Signal::try_from(s) {
+            Ok(sig) => format!("was killed by signal {}", sig.as_str()),
+            Err(_) => format!("was killed by signal {s}"),
+        },
+        _ => "ended in an unknown way".into(),
+    }
+}
+
+struct Ranks {
+    pids: Vec<Pid>,
+    /// True once a rank has exited (it may not be reaped yet, but will never be signalled).
+    exited: Vec<bool>,
+}
+
+impl Ranks {
+    fn kill_running(&self) {
+        for (pid, exited) in self.pids.iter().zip(&self.exited) {
+            if !exited {
+                let _ = kill(*pid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Starts `n` ranks of this program with `args` and waits for them.
+/// Returns ccl-bench's exit status: 0 if every rank succeeded, else 1.
+pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("ccl-bench: cannot find its own executable to start ranks: {e}");
+            return 1;
+        }
+    };
+    let port = match free_port() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("ccl-bench: cannot find a free port for the rendezvous: {e}");
+            return 1;
+        }
+    };
+    let ranks = Arc::new(Mutex::new(Ranks {
+        pids: Vec::with_capacity(n),
+        exited: Vec::with_capacity(n),
+    }));
+    let (tx, rx) = mpsc::channel::<(usize, io::Result<ExitStatus>)>();
+    let parent = nix::unistd::getpid();
+    for rank in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(args).envs(rank_env(rank, n, port, t0));
+        cmd.stdin(Stdio::null());
+        // SAFETY: between fork and exec this only makes async-signal-safe
+        // system calls (prctl, getppid) and does not allocate.
+        unsafe {
+            cmd.pre_exec(move || {
+                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+                if nix::unistd::getppid() != parent {
+                    return Err(io::Error::from_raw_os_error(nix::libc::ESRCH));
+                }
+                Ok(())
+            });
+        }
+        // Spawned under the lock so that a kill never misses a rank being added.
+        let mut guard = ranks.lock().unwrap_or_else(|p| p.into_inner());
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ccl-bench: cannot start rank {rank}: {e}");
+                guard.kill_running();
+                drop(guard);
+                drop(tx);
+                while rx.recv().is_ok() {}
+                return 1;
+            }
+        };
+        let pid = Pid::from_raw(child.id() as i32);
+        guard.pids.push(pid);
+        guard.exited.push(false);
+        drop(guard);
+        let (tx, ranks) = (tx.clone(), ranks.clone());
+        std::thread::spawn(move || {
+            // Wait without reaping, mark the rank exited, then reap: a pid is
+            // signalled only while it cannot have been recycled.
+            let _ = waitid(Id::Pid(pid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT);
+            ranks.lock().unwrap_or_else(|p| p.into_inner()).exited[rank] = true;
+            let _ = tx.send((rank, child.wait()));
+        });
+    }
+    drop(tx);
+    let mut code = 0;
+    let mut done = 0;
+    while let Ok((rank, status)) = rx.recv() {
+        done += 1;
+        if let Ok(s) = &status {
+            if s.signal() == Some(Signal::SIGPIPE as i32) && code == 0 {
+                // Whoever read the output went away (`| head`): stop quietly.
+                code = 128 + Signal::SIGPIPE as i32;
+                ranks
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .kill_running();
+                continue;
+            }
+        }
+        let failure = match status {
+            Ok(s) if s.success() => None,
+            Ok(s) => Some(describe(s)),
+            Err(e) => Some(format!("could not be waited for: {e}")),
+        };
+        if let Some(what) = failure {
+            if code == 0 {
+                let rest = if done < n {
+                    "; stopping the other ranks"
+                } else {
+                    ""
+                };
+                eprintln!("ccl-bench: rank {rank} {what}{rest}");
+                code = 1;
+                ranks
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .kill_running();
+            }
+        }
+    }
+    code
+}

@@ -1,0 +1,536 @@
+//! One rank of a benchmark: connect, run every size (and algorithm), and on
+//! rank 0 print the table and write the reports.
+
+use std::{
+    io::IsTerminal,
+    sync::Arc,
+    time::{Instant, SystemTime},
+};
+
+use ccl::{
+    bf16, f16, Algorithm, Communicator, Config, DataType, FileStore, HashStore, Launcher, Options,
+    PrefixStore, ReduceOp, Rendezvous, Store, TcpStore,
+};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::{
+    cli::Plan,
+    coll::Coll,
+    data::{Case, CaseSpec, Val},
+    plot::{self, Series},
+    report::{self, Report, Row, RunConfig, Versions},
+    size::format_size,
+    spawn,
+};
+
+/// Test hook: the rank named here exits (status 3) during its first timed iteration.
+pub const DIE_RANK_VAR: &str = "CCL_BENCH_TEST_DIE_RANK";
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// Runs this process's rank of `plan`; returns the exit status.
+pub fn run(plan: &Plan, config: &Config, started: SystemTime) -> i32 {
+    let result = match plan.dtype {
+        DataType::I8 => run_typed::<i8>(plan, config, started),
+        DataType::U8 => run_typed::<u8>(plan, config, started),
+        DataType::I32 => run_typed::<i32>(plan, config, started),
+        DataType::U32 => run_typed::<u32>(plan, config, started),
+        DataType::I64 => run_typed::<i64>(plan, config, started),
+        DataType::U64 => run_typed::<u64>(plan, config, started),
+        DataType::F16 => run_typed::<f16>(plan, config, started),
+        DataType::Bf16 => run_typed::<bf16>(plan, config, started),
+        DataType::F32 => run_typed::<f32>(plan, config, started),
+        DataType::F64 => run_typed::<f64>(plan, config, started),
+    };
+    match result {
+        Ok(true) => 0,
+        Ok(false) => 1,
+        Err(e) => {
+            eprintln!("ccl-bench: rank {}: {e}", config.rank);
+            1
+        }
+    }
+}
+
+fn launcher_name(l: Launcher) -> &'static str {
+    match l {
+        Launcher::Torchrun => "torchrun-style (RANK/WORLD_SIZE)",
+        Launcher::OpenMpi => "OpenMPI (mpirun)",
+        Launcher::Pmi => "PMI",
+        Launcher::Slurm => "Slurm (srun)",
+        Launcher::None => "none",
+    }
+}
+
+/// The rendezvous store of the job (rank 0 serves a TCP store).
+fn store(config: &Config, plan: &Plan) -> Result<Arc<dyn Store>, BoxError> {
+    Ok(match &config.rendezvous {
+        Rendezvous::Tcp { host, port } if config.rank == 0 => {
+            Arc::new(TcpStore::serve(host, *port, plan.timeout)?)
+        }
+        Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect(host, *port, plan.timeout)?),
+        Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
+        Rendezvous::Local => Arc::new(HashStore::new()),
+    })
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+/// Every rank's host name, in rank order.
+fn hosts(comm: &Communicator) -> Result<Vec<String>, BoxError> {
+    const LEN: usize = 64;
+    let mut mine = [0u8; LEN];
+    let h = hostname();
+    let b = &h.as_bytes()[..h.len().min(LEN)];
+    mine[..b.len()].copy_from_slice(b);
+    let mut all = vec![0u8; LEN * comm.world_size()];
+    comm.allgather_into(&mine, &mut all)?;
+    Ok(all
+        .chunks(LEN)
+        .map(|c| {
+            let end = c.iter().position(|&x| x == 0).unwrap_or(LEN);
+            String::from_utf8_lossy(&c[..end]).into_owned()
+        })
+        .collect())
+}
+
+fn distinct(hosts: &[String]) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for h in hosts {
+        if !v.contains(h) {
+            v.push(h.clone());
+        }
+    }
+    v
+}
+
+/// Runs one call of the collective on `case`.
+fn run_once<T: Val>(
+    comm: &Communicator,
+    plan: &Plan,
+    case: &mut Case<T>,
+) -> Result<(), ccl::Error> {
+    let (op, root) = (plan.op, plan.root);
+    let (i, o) = (&case.input, &mut case.output);
+    match (plan.coll, plan.inplace) {
+        (Coll::Allreduce, false) => comm.allreduce_into(i, o, op),
+        (Coll::Allreduce, true) => comm.allreduce(o, op),
+        (Coll::Broadcast, false) => comm.broadcast_into(i, o, root),
+        (Coll::Broadcast, true) => comm.broadcast(o, root),
+        (Coll::Reduce, false) => comm.reduce_into(i, o, op, root),
+        (Coll::Reduce, true) => comm.reduce(o, op, root),
+        (Coll::Allgather, false) => comm.allgather_into(i, o),
+        (Coll::Allgather, true) => comm.allgather(o),
+        (Coll::ReduceScatter, false) => comm.reduce_scatter_into(i, o, op),
+        (Coll::ReduceScatter, true) => comm.reduce_scatter(o, op),
+        (Coll::Alltoall, false) => comm.alltoall_into(i, o),
+        (Coll::Alltoall, true) => comm.alltoall(o),
+        (Coll::Gather, false) => comm.gather_into(i, o, root),
+        (Coll::Gather, true) => comm.gather(o, root),
+        (Coll::Scatter, false) => comm.scatter_into(i, o, root),
+        (Coll::Scatter, true) => comm.scatter(o, root),
+        (Coll::Sendrecv, _) => {
+            let n = comm.world_size();
+            let (next, prev) = ((comm.rank() + 1) % n, (comm.rank() + n - 1) % n);
+            let recv = comm.irecv(std::mem::take(&mut case.output), prev);
+            let send = comm.isend(std::mem::take(&mut case.input), next);
+            let sent = send.wait();
+            let received = recv.wait();
+            case.input = sent?;
+            case.output = received?;
+            Ok(())
+        }
+        (Coll::Barrier, _) => comm.barrier(),
+    }
+}
+
+/// What one size and algorithm measured on this rank.
+struct Measured {
+    /// Per iteration, the slowest rank's time (rank 0 only).
+    slowest: Vec<f64>,
+    /// This rank's mean.
+    mine: f64,
+    /// Wrong elements over all ranks (rank 0 only; with --check).
+    wrong: u64,
+}
+
+fn measure<T: Val>(
+    comm: &Communicator,
+    plan: &Plan,
+    case: &mut Case<T>,
+    die: bool,
+) -> Result<Measured, BoxError> {
+    for _ in 0..plan.warmup {
+        if plan.check {
+            case.prepare();
+        }
+        run_once(comm, plan, case)?;
+    }
+    comm.barrier()?;
+    let mut times = vec![0f64; plan.iters];
+    let mut wrong = 0u64;
+    for t in times.iter_mut() {
+        if plan.check {
+            case.prepare();
+            // Checking takes each rank a different time: start together.
+            comm.barrier()?;
+        }
+        if die {
+            eprintln!(
+                "ccl-bench: rank {}: exiting on purpose ({DIE_RANK_VAR})",
+                comm.rank()
+            );
+            std::process::exit(3);
+        }
+        let start = Instant::now();
+        run_once(comm, plan, case)?;
+        *t = start.elapsed().as_secs_f64();
+        if plan.check {
+            wrong += case.wrong();
+        }
+    }
+    let root = comm.rank() == 0;
+    let mut slowest = vec![0f64; if root { plan.iters } else { 0 }];
+    comm.reduce_into(&times, &mut slowest, ReduceOp::Max, 0)?;
+    let mut total = [0u64];
+    comm.reduce_into(&[wrong], &mut total, ReduceOp::Sum, 0)?;
+    Ok(Measured {
+        slowest,
+        mine: times.iter().sum::<f64>() / plan.iters as f64,
+        wrong: total[0],
+    })
+}
+
+/// The algorithm a call used, as the table shows it.
+fn algo_used(comm: &Communicator, plan: &Plan, count: usize) -> Algorithm {
+    comm.algorithm_for(plan.coll.kind(), count, plan.dtype)
+}
+
+fn algo_label(comm: &Communicator, plan: &Plan, count: usize) -> String {
+    if plan.coll == Coll::Sendrecv {
+        "p2p".into()
+    } else {
+        algo_used(comm, plan, count).name().into()
+    }
+}
+
+fn header(plan: &Plan, n: usize, hosts: &[String], launcher: &str, config: &Config) -> String {
+    let nh = distinct(hosts);
+    let host_word = if nh.len() == 1 { "host" } else { "hosts" };
+    let mut s = format!(
+        "# ccl-bench {}: {n} ranks on {} {host_word} ({}), transport {}, dtype {}",
+        plan.coll.name(),
+        nh.len(),
+        nh.join(", "),
+        plan.transport,
+        plan.dtype,
+    );
+    if plan.coll.has_op() {
+        s += &format!(", op {}", plan.op);
+    }
+    if plan.coll.has_root() {
+        s += &format!(", root {}", plan.root);
+    }
+    s += &format!(
+        ", algo {}, {}, iters {}, warmup {}, check {}, timeout {}s\n",
+        plan.algo_requested,
+        if plan.inplace {
+            "in-place"
+        } else {
+            "out-of-place"
+        },
+        plan.iters,
+        plan.warmup,
+        if plan.check { "on" } else { "off" },
+        plan.timeout.as_secs_f64()
+    );
+    if plan.coll != Coll::Barrier {
+        let (lo, hi) = (plan.sizes[0], plan.sizes[plan.sizes.len() - 1]);
+        if lo == hi {
+            s += &format!("# size {} (", format_size(lo));
+        } else {
+            s += &format!(
+                "# sizes {} .. {} ({} sizes; ",
+                format_size(lo),
+                format_size(hi),
+                plan.sizes.len()
+            );
+        }
+        s += "size = whole buffer";
+        if plan.coll.split() {
+            s += &format!(" = {n} x per-rank part");
+        }
+        s += "; K/M/G = 2^10/2^20/2^30)\n";
+    }
+    let factor = match plan.coll {
+        Coll::Allreduce => "2(n-1)/n",
+        c if c.split() => "(n-1)/n",
+        _ => "1",
+    };
+    s += &format!(
+        "# time = mean over iterations of the slowest rank; algbw = size / time (GB/s = 1e9 B/s); \
+         busbw = algbw x {factor}\n"
+    );
+    s += &format!(
+        "# ccl-bench {} (ccl {}, {}), launcher: {launcher}, CCL_NSOCKS {}\n",
+        env!("CARGO_PKG_VERSION"),
+        env!("CARGO_PKG_VERSION"),
+        env!("CCL_BENCH_RUSTC"),
+        config.nsocks
+    );
+    s
+}
+
+fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Result<bool, BoxError> {
+    let (rank, n) = (config.rank, config.world_size);
+    let spawned_at: Option<u128> = std::env::var(spawn::T0_VAR)
+        .ok()
+        .and_then(|v| v.parse().ok());
+    let launcher = if spawned_at.is_some() {
+        "ccl-bench (local processes)".to_string()
+    } else {
+        launcher_name(config.launcher).to_string()
+    };
+
+    // ---- set-up: rendezvous and one communicator per algorithm ----------
+    let store = store(config, plan)?;
+    let mut comms = Vec::with_capacity(plan.algos.len());
+    for (i, algo) in plan.algos.iter().enumerate() {
+        let mut options = Options::from_config(config);
+        options.timeout = plan.timeout;
+        options.algo = match algo {
+            None => config.algo.clone(),
+            Some(a) => Some(format!("{}={}", plan.coll.kind().name(), a.name())),
+        };
+        let scoped: Arc<dyn Store> =
+            Arc::new(PrefixStore::new(store.clone(), format!("ccl-bench/{i}")));
+        comms.push(Communicator::new(rank, n, scoped, options)?);
+    }
+    for c in &comms {
+        c.barrier()?;
+    }
+    let ready = SystemTime::now();
+    // Setup: from the parent's start (local mode) or each rank's own start.
+    let from = spawned_at.unwrap_or_else(|| spawn::epoch_ns(started));
+    let mut spans = [
+        spawn::epoch_ns(ready).saturating_sub(from) as f64 / 1e9,
+        spawn::epoch_ns(started).saturating_sub(from) as f64 / 1e9,
+    ];
+    comms[0].allreduce(&mut spans, ReduceOp::Max)?;
+    let [setup_s, spawn_s] = spans;
+    let hosts = hosts(&comms[0])?;
+    let is_root = rank == 0;
+    let die = std::env::var(DIE_RANK_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        == Some(rank);
+
+    if is_root {
+        print!("{}", header(plan, n, &hosts, &launcher, config));
+        if spawned_at.is_some() {
+            println!(
+                "# setup: {setup_s:.3} s (spawn {spawn_s:.3} s, rendezvous + connect {:.3} s) for {n} ranks",
+                setup_s - spawn_s
+            );
+        } else {
+            println!(
+                "# setup: {setup_s:.3} s (rendezvous + connect, from process start; launcher not included) for {n} ranks"
+            );
+        }
+        println!("#\n{}", report::table_head());
+    }
+
+    // ---- the sizes -------------------------------------------------------
+    let elem = T::DTYPE.size();
+    let mut cases: Vec<(usize, u64)> = Vec::new();
+    for &req in &plan.sizes {
+        let count = plan.coll.per_rank_count(req, elem, n);
+        let bytes = plan.coll.total_bytes(count, elem, n);
+        if cases.last().is_none_or(|&(c, _)| c != count) || plan.coll == Coll::Barrier {
+            cases.push((count, bytes));
+        }
+    }
+    let steps = (cases.len() * comms.len()) as u64;
+    let bar = if is_root && steps > 1 && std::io::stderr().is_terminal() {
+        let b = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+        b.set_style(
+            ProgressStyle::with_template("{bar:40} {pos}/{len} sizes [{elapsed}] {msg}")
+                .expect("valid template"),
+        );
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+
+    let bus = plan.coll.bus_factor(n);
+    let mut rows: Vec<Row> = Vec::new();
+    let mut all_ok = true;
+    for &(count, bytes) in &cases {
+        let mut case = Case::<T>::new(CaseSpec {
+            coll: plan.coll,
+            rank,
+            world: n,
+            count,
+            op: plan.op,
+            root: plan.root,
+            inplace: plan.inplace,
+            check: plan.check,
+        });
+        for comm in &comms {
+            bar.set_message(format!(
+                "{} {}",
+                format_size(bytes),
+                algo_label(comm, plan, count)
+            ));
+            let m = measure(comm, plan, &mut case, die).map_err(|e| {
+                format!("{} of {} failed: {e}", plan.coll.name(), format_size(bytes))
+            })?;
+            bar.inc(1);
+            if !is_root {
+                continue;
+            }
+            let time = m.slowest.iter().sum::<f64>() / plan.iters as f64;
+            let algbw = if time > 0.0 {
+                bytes as f64 / 1e9 / time
+            } else {
+                0.0
+            };
+            let row = Row {
+                size_bytes: bytes,
+                count: bytes / elem as u64,
+                count_per_rank: count as u64,
+                dtype: plan.dtype.name().into(),
+                op: if plan.coll.has_op() {
+                    plan.op.to_string()
+                } else {
+                    "none".into()
+                },
+                root: if plan.coll.has_root() {
+                    plan.root as i64
+                } else {
+                    -1
+                },
+                algo: algo_label(comm, plan, count),
+                time_us: time * 1e6,
+                time_us_rank0: m.mine * 1e6,
+                median_time_us: median(&m.slowest) * 1e6,
+                min_time_us: m.slowest.iter().copied().fold(f64::INFINITY, f64::min) * 1e6,
+                max_time_us: m.slowest.iter().copied().fold(0.0, f64::max) * 1e6,
+                algbw_gbps: algbw,
+                busbw_gbps: algbw * bus,
+                wrong: plan.check.then_some(m.wrong),
+            };
+            if row.wrong.is_some_and(|w| w > 0) {
+                all_ok = false;
+            }
+            bar.suspend(|| println!("{}", report::table_row(&row)));
+            rows.push(row);
+        }
+    }
+    bar.finish_and_clear();
+    drop(comms);
+    if !is_root {
+        return Ok(true);
+    }
+    println!("{}", report::table_tail(&rows));
+
+    let (avg, peak, at) = report::summary(&rows);
+    let report = Report {
+        tool: "ccl-bench".into(),
+        config: RunConfig {
+            collective: plan.coll.name().into(),
+            ranks: n,
+            hosts: distinct(&hosts),
+            rank_hosts: hosts.clone(),
+            launcher,
+            transport: plan.transport.clone(),
+            dtype: plan.dtype.name().into(),
+            op: if plan.coll.has_op() {
+                plan.op.to_string()
+            } else {
+                "none".into()
+            },
+            root: if plan.coll.has_root() {
+                plan.root as i64
+            } else {
+                -1
+            },
+            algo_requested: plan.algo_requested.clone(),
+            inplace: plan.inplace,
+            check: plan.check,
+            iters: plan.iters,
+            warmup: plan.warmup,
+            timeout_s: plan.timeout.as_secs_f64(),
+            nsocks: config.nsocks,
+            sizes_requested: plan.sizes.clone(),
+            time_definition: report::TIME_DEFINITION.into(),
+            size_definition: "bytes of the whole buffer (n x per-rank part for allgather, \
+                              reduce-scatter, alltoall, gather, scatter)"
+                .into(),
+        },
+        setup_s,
+        rows,
+        avg_busbw_gbps: avg,
+        peak_busbw_gbps: peak,
+        peak_size_bytes: at,
+        versions: Versions::current(),
+        unix_time: report::unix_time(),
+    };
+    if let Some(p) = &plan.json {
+        report::write_file(p, &report::to_json(&report))?;
+    }
+    if let Some(p) = &plan.csv {
+        report::write_file(p, &report::to_csv(&report))?;
+    }
+    if let Some(p) = &plan.plot {
+        let series = series_by_choice(plan, &report.rows);
+        let title = format!(
+            "ccl-bench {}: {n} ranks, {}, {}",
+            plan.coll.name(),
+            plan.dtype,
+            plan.transport
+        );
+        plot::plot_busbw(p, &title, &series)?;
+    }
+    if !all_ok {
+        eprintln!("ccl-bench: --check found wrong results");
+    }
+    Ok(all_ok)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    match s.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => s[n / 2],
+        n => (s[n / 2 - 1] + s[n / 2]) / 2.0,
+    }
+}
+
+/// One plot line per algorithm run (with `auto`, one line named after the algorithms it chose).
+fn series_by_choice(plan: &Plan, rows: &[Row]) -> Vec<Series> {
+    let k = plan.algos.len();
+    plan.algos
+        .iter()
+        .enumerate()
+        .map(|(i, algo)| {
+            let mine: Vec<&Row> = rows.iter().skip(i).step_by(k).collect();
+            let label = match algo {
+                Some(a) => a.name().to_string(),
+                None => {
+                    let used = distinct(&mine.iter().map(|r| r.algo.clone()).collect::<Vec<_>>());
+                    format!("ccl auto ({})", used.join(", "))
+                }
+            };
+            Series {
+                label,
+                points: mine.iter().map(|r| (r.size_bytes, r.busbw_gbps)).collect(),
+            }
+        })
+        .collect()
+}
