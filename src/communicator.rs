@@ -39,6 +39,10 @@ pub struct Options {
     /// Algorithm overrides, as `CCL_ALGO` spells them: `ring`, or
     /// `allreduce=rd,broadcast=tree`. `None`: chosen by size.
     pub algo: Option<String>,
+    /// How long a thread waiting for the network polls before it sleeps.
+    /// Polling saves the kernel's wake-up on small messages but takes a core:
+    /// worth it only when the ranks on this host do not outnumber the cores.
+    pub spin: Duration,
 }
 
 impl Default for Options {
@@ -49,9 +53,13 @@ impl Default for Options {
             interface: None,
             local_ip: None,
             algo: None,
+            spin: Duration::ZERO,
         }
     }
 }
+
+/// Polling window when the ranks of this host fit on its cores (`CCL_SPIN_US` overrides).
+const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
@@ -97,6 +105,14 @@ impl Options {
             interface: config.socket_ifname.clone(),
             local_ip,
             algo: config.algo.clone(),
+            spin: config.spin.unwrap_or_else(|| {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                if config.local_world_size <= cores {
+                    DEFAULT_SPIN
+                } else {
+                    Duration::ZERO
+                }
+            }),
         }
     }
 }
@@ -243,7 +259,7 @@ impl Communicator {
             world_size - 1,
             started.elapsed()
         );
-        let engine = Engine::start(rank, runtime, links, scoped)?;
+        let engine = Engine::start(rank, runtime, links, scoped, options.spin)?;
         Ok(Communicator {
             rank,
             world_size,

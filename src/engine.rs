@@ -12,6 +12,10 @@
 //! does not block the send (as with MPI's `irecv`); within a lane they keep
 //! their order. A collective first waits for every transfer issued before it.
 //!
+//! While it waits for the network, the driving thread first polls without
+//! sleeping for a short window ([`Spin`]): on small messages, sleeping in the
+//! kernel and being woken costs more than the message itself.
+//!
 //! After any failure the communicator is broken: the rank that failed first
 //! is recorded in the store (first writer wins), every peer is sent an abort
 //! notice naming it (so that ranks waiting on a healthy peer learn the cause
@@ -21,12 +25,15 @@
 
 use std::{
     collections::{HashMap, VecDeque},
+    future::Future,
+    pin::Pin,
     sync::{
         atomic::{AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
+    task::{Context, Poll},
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
@@ -39,6 +46,52 @@ const ABORT_NOTICE_DEADLINE: Duration = Duration::from_secs(2);
 const ABORT_RECORD_DEADLINE: Duration = Duration::from_secs(2);
 /// Store key (under the communicator's prefix) of the first failure.
 const ABORT_KEY: &str = "abort";
+
+/// Polls a future without letting the runtime sleep for up to `window` after
+/// each real wake-up: while it is pending and inside the window it wakes
+/// itself, so the runtime checks the sockets without blocking and polls again.
+/// Past the window it returns `Pending` like any future and the thread sleeps.
+struct Spin<F> {
+    inner: F,
+    window: Duration,
+    until: Instant,
+    /// The last wake-up was our own.
+    self_woken: bool,
+}
+
+impl<F: Future + Unpin> Spin<F> {
+    fn new(inner: F, window: Duration) -> Spin<F> {
+        Spin {
+            inner,
+            window,
+            until: Instant::now(),
+            self_woken: false,
+        }
+    }
+}
+
+impl<F: Future + Unpin> Future for Spin<F> {
+    type Output = F::Output;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        if self.window.is_zero() {
+            return Pin::new(&mut self.inner).poll(cx);
+        }
+        if !self.self_woken {
+            self.until = Instant::now() + self.window;
+        }
+        self.self_woken = false;
+        match Pin::new(&mut self.inner).poll(cx) {
+            Poll::Ready(v) => Poll::Ready(v),
+            Poll::Pending => {
+                if Instant::now() < self.until {
+                    self.self_woken = true;
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
 
 /// One call, ready to run.
 pub(crate) struct Job {
@@ -77,6 +130,8 @@ struct Shared {
     transfers_done: Notify,
     /// Scratch memory of collectives (one runs at a time).
     scratch: Mutex<AlignedBuf>,
+    /// How long the driving thread polls before it sleeps.
+    spin: Duration,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -215,12 +270,14 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Starts the progress thread for `links` on `runtime`. `store` is the
-    /// communicator's own (prefixed) store.
+    /// communicator's own (prefixed) store; `spin` how long a waiting thread
+    /// polls before it sleeps.
     pub fn start(
         rank: usize,
         runtime: Runtime,
         links: Vec<Option<Arc<dyn Link>>>,
         store: Arc<dyn Store>,
+        spin: Duration,
     ) -> Result<Engine> {
         let shared = Arc::new(Shared {
             rank,
@@ -233,6 +290,7 @@ impl Engine {
             transfers: AtomicUsize::new(0),
             transfers_done: Notify::new(),
             scratch: Mutex::new(AlignedBuf::zeroed(0)),
+            spin,
         });
         let runtime = Arc::new(runtime);
         let (state, rt) = (shared.clone(), runtime.clone());
@@ -271,7 +329,10 @@ impl Engine {
         match job {
             Some(job) => {
                 let mut scratch = lock(&self.shared.scratch);
-                self.runtime.block_on(self.shared.run(job, &mut scratch));
+                {
+                    let run = std::pin::pin!(self.shared.run(job, &mut scratch));
+                    self.runtime.block_on(Spin::new(run, self.shared.spin));
+                }
                 drop(scratch);
                 let mut q = lock(&self.shared.queue);
                 q.driving = false;
@@ -320,7 +381,8 @@ fn progress_thread(shared: Arc<Shared>, runtime: Arc<Runtime>) {
             }
             q.driving = true;
         }
-        runtime.block_on(drive(&shared, &mut lanes));
+        let driving = std::pin::pin!(drive(&shared, &mut lanes));
+        runtime.block_on(Spin::new(driving, shared.spin));
     }
     // Let transfers still in their lanes finish before the runtime goes away.
     drop(lanes);

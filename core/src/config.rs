@@ -57,6 +57,9 @@ pub struct Config {
     /// `CCL_ALGO`: algorithm override, `ring` or per collective `allreduce=rd,broadcast=tree`
     /// (parsed by the facade, which knows the algorithms).
     pub algo: Option<String>,
+    /// `CCL_SPIN_US`: microseconds a waiting thread polls before it sleeps
+    /// (`None`: the facade decides from the ranks per host and the cores).
+    pub spin: Option<Duration>,
 }
 
 /// Parses `600`, `2.5`, `30s`, `500ms`, `10m`, `1h` (a bare number is seconds).
@@ -191,6 +194,7 @@ impl Config {
             nsocks,
             debug: var("CCL_DEBUG").filter(|s| !s.is_empty()),
             algo: var("CCL_ALGO").filter(|s| !s.is_empty()),
+            spin: num("CCL_SPIN_US")?.map(|us| Duration::from_micros(us as u64)),
         })
     }
 }
@@ -284,6 +288,7 @@ mod tests {
             ],
             vec![("CCL_TIMEOUT", "soon")],
             vec![("CCL_NSOCKS", "0")],
+            vec![("CCL_SPIN_US", "-5")],
         ] {
             let e = cfg(&bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");
