@@ -19,8 +19,9 @@ mod engine;
 
 pub use ccl_algorithms::Algorithm;
 pub use ccl_core::{
-    bf16, config, f16, CollectiveKind, Config, DataType, Element, Error, FileStore, HashStore,
-    Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore, TcpStoreServer, Work,
+    bf16, config, f16, free_port, CollectiveKind, Config, DataType, Element, Error, FileStore,
+    HashStore, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore,
+    TcpStoreServer, Work,
 };
 pub use communicator::{Communicator, Options};
 

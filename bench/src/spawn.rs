@@ -12,8 +12,7 @@
 use std::{
     ffi::OsString,
     io,
-    net::{Ipv4Addr, TcpListener},
-    os::unix::process::{CommandExt, ExitStatusExt},
+    os::unix::process::ExitStatusExt,
     process::{Command, ExitStatus, Stdio},
     sync::{mpsc, Arc, Mutex},
     time::SystemTime,
@@ -48,12 +47,6 @@ pub fn rank_env(rank: usize, n: usize, port: u16, t0: SystemTime) -> Vec<(String
         ("MASTER_PORT".into(), port.to_string()),
         (T0_VAR.into(), epoch_ns(t0).to_string()),
     ]
-}
-
-/// A currently free TCP port on loopback.
-pub fn free_port() -> io::Result<u16> {
-    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    Ok(l.local_addr()?.port())
 }
 
 /// "exited with status 3" / "was killed by signal SIGKILL".
@@ -94,7 +87,7 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
             return 1;
         }
     };
-    let port = match free_port() {
+    let port = match ccl::free_port() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("ccl-bench: cannot find a free port for the rendezvous: {e}");
@@ -106,22 +99,11 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
         exited: Vec::with_capacity(n),
     }));
     let (tx, rx) = mpsc::channel::<(usize, io::Result<ExitStatus>)>();
-    let parent = nix::unistd::getpid();
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(args).envs(rank_env(rank, n, port, t0));
         cmd.stdin(Stdio::null());
-        // SAFETY: between fork and exec this only makes async-signal-safe
-        // system calls (prctl, getppid) and does not allocate.
-        unsafe {
-            cmd.pre_exec(move || {
-                nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-                if nix::unistd::getppid() != parent {
-                    return Err(io::Error::from_raw_os_error(nix::libc::ESRCH));
-                }
-                Ok(())
-            });
-        }
+        ccl_run::die_with_parent(&mut cmd);
         // Spawned under the lock so that a kill never misses a rank being added.
         let mut guard = ranks.lock().unwrap_or_else(|p| p.into_inner());
         let mut child = match cmd.spawn() {
@@ -166,11 +148,18 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
         }
         let failure = match status {
             Ok(s) if s.success() => None,
+            // Stopped by us after an earlier failure: not news.
+            Ok(s) if code != 0 && s.signal().is_some() => None,
             Ok(s) => Some(describe(s)),
             Err(e) => Some(format!("could not be waited for: {e}")),
         };
         if let Some(what) = failure {
-            if code == 0 {
+            // A survivor can notice a dead rank and exit before the dead
+            // rank's own exit is seen here, so every rank that failed on its
+            // own is reported, not only the first.
+            if code != 0 {
+                eprintln!("ccl-bench: rank {rank} {what}");
+            } else {
                 let rest = if done < n {
                     "; stopping the other ranks"
                 } else {

@@ -22,7 +22,7 @@ pub use error::{Error, Result};
 pub use frame::{AbortNotice, CollectiveKind, Fingerprint, FrameHeader, FrameKind};
 pub use link::{Link, LinkFuture, Reduction};
 pub use op::ReduceOp;
-pub use store::{FileStore, HashStore, PrefixStore, Store, TcpStore, TcpStoreServer};
+pub use store::{free_port, FileStore, HashStore, PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use work::{work_pair, Completer, Work};
 
 pub use half::{bf16, f16};

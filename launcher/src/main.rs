@@ -17,7 +17,6 @@ mod signals;
 
 use std::ffi::OsString;
 use std::io;
-use std::net::{Ipv4Addr, TcpListener};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
@@ -231,7 +230,7 @@ fn run(cli: Cli) -> i32 {
 
     let master_port = match cli.master_port {
         Some(port) => port,
-        None => match free_port() {
+        None => match ccl_core::free_port() {
             Ok(port) => port,
             Err(e) => {
                 eprintln!("ccl-run: could not find a free port for MASTER_PORT: {e}");
@@ -332,12 +331,6 @@ impl RankEnv<'_> {
     }
 }
 
-/// Finds a currently free TCP port by binding 127.0.0.1:0 and releasing it.
-fn free_port() -> io::Result<u16> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    Ok(listener.local_addr()?.port())
-}
-
 /// 32 random bytes from the OS, hex encoded (64 characters).
 fn fresh_secret() -> Result<String, rand::Error> {
     let mut bytes = [0u8; 32];
@@ -361,19 +354,7 @@ fn spawn_rank(
     if tag_output {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     }
-    let parent = nix::unistd::getpid();
-    // SAFETY: the closure runs between fork and exec and only makes
-    // async-signal-safe system calls (prctl, getppid); it does not allocate.
-    unsafe {
-        cmd.pre_exec(move || {
-            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-            // If ccl-run died before prctl took effect, no signal will come.
-            if nix::unistd::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(nix::libc::ESRCH));
-            }
-            Ok(())
-        });
-    }
+    ccl_run::die_with_parent(&mut cmd);
 
     let mut child = cmd.spawn()?;
     let pgid = Pid::from_raw(child.id() as i32);

@@ -3,7 +3,6 @@
 
 use std::{
     io::Read,
-    net::TcpListener,
     process::{Child, Command, Stdio},
     thread,
     time::{Duration, Instant},
@@ -28,14 +27,6 @@ impl RankOutput {
     }
 }
 
-/// A port on 127.0.0.1 that was free a moment ago.
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind 127.0.0.1:0")
-}
-
 /// Runs `program args` as ranks 0..n with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 /// `MASTER_ADDR`, `MASTER_PORT` set, plus `env`. Kills every rank still running
 /// after `deadline` and reports it as killed.
@@ -46,7 +37,9 @@ pub fn launch(
     env: &[(&str, String)],
     deadline: Duration,
 ) -> Vec<RankOutput> {
-    let port = free_port().to_string();
+    let port = ccl::free_port()
+        .expect("a free port for the store")
+        .to_string();
     let start = Instant::now();
     let mut children: Vec<(
         Child,

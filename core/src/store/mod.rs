@@ -51,6 +51,33 @@ pub trait Store: Send + Sync {
     }
 }
 
+/// Lowest and highest+1 port [`free_port`] picks from: below the usual
+/// ephemeral range (Linux: 32768–60999), where the kernel takes source ports
+/// for outgoing connections.
+const FREE_PORTS: std::ops::Range<u16> = 20000..32000;
+
+/// A TCP port free on every interface right now, for a store server to bind
+/// (`MASTER_PORT` of a local launch). Picked at random below the ephemeral
+/// range, so that no outgoing connection takes it in the moment before the
+/// server binds it (a port from binding port 0 often is taken that way).
+pub fn free_port() -> std::io::Result<u16> {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new();
+    for attempt in 0u64..1000 {
+        let mut h = random.build_hasher();
+        h.write_u64(attempt);
+        let span = u64::from(FREE_PORTS.end - FREE_PORTS.start);
+        let port = FREE_PORTS.start + (h.finish() % span) as u16;
+        if std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free TCP port in {FREE_PORTS:?}"),
+    ))
+}
+
 /// A view of another store with every key prefixed, for sub-communicators.
 #[derive(Clone)]
 pub struct PrefixStore {

@@ -1227,16 +1227,8 @@ mod tests {
         );
     }
 
-    /// A port free now, below the usual ephemeral range so that other
-    /// sockets are unlikely to take it before we bind it again.
     fn free_port() -> u16 {
-        use rand::Rng;
-        loop {
-            let port = rand::thread_rng().gen_range(20000..32000);
-            if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
-                return port;
-            }
-        }
+        super::super::free_port().unwrap()
     }
 
     #[test]

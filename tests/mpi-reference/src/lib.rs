@@ -84,13 +84,6 @@ pub fn is_root() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
-/// A port on 127.0.0.1 that was free a moment ago (for `MASTER_PORT`).
-pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 /// The `mpirun` command that runs `bin` as `np` ranks on this machine.
 ///
 /// Shared memory (`vader`, without single-copy, which containers often

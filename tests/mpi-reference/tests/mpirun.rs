@@ -16,8 +16,7 @@ use std::{
 };
 
 use ccl_mpi_reference::{
-    free_port, large_from_env, mpirun, run_bounded, seeds_from_env, world_sizes_from_env,
-    CCL_TIMEOUT,
+    large_from_env, mpirun, run_bounded, seeds_from_env, world_sizes_from_env, CCL_TIMEOUT,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_ccl-mpi-reference");
@@ -59,7 +58,7 @@ fn a_corrupted_result_is_reported() {
         ("CCL_REF_CORRUPT", "40".into()),
         ("CCL_TIMEOUT", CCL_TIMEOUT.into()),
     ];
-    let port = free_port().expect("a free port on 127.0.0.1");
+    let port = ccl::free_port().expect("a free port for the store");
     let cmd = mpirun(Path::new(BIN), 3, port, &vars, Duration::from_secs(110));
     let out = run_bounded(cmd, Duration::from_secs(120)).expect("spawn mpirun");
     let text = format!("{}{}", out.stdout, out.stderr);
@@ -122,7 +121,7 @@ fn ccl_matches_openmpi_under_mpirun() {
     let mut total_calls = 0u64;
     let mut failures = Vec::new();
     for &np in &sizes {
-        let port = free_port().expect("a free port on 127.0.0.1");
+        let port = ccl::free_port().expect("a free port for the store");
         // mpirun's own --timeout a little before ours, so that it reports.
         let cmd = mpirun(
             Path::new(BIN),
