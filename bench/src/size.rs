@@ -53,15 +53,22 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
-/// `1536` → `1.5 KiB`; `268435456` → `256 MiB`; `8` → `8 B`.
-pub fn format_size(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+/// `bytes` in the largest power-of-1024 unit that keeps the value at least 1,
+/// with that unit's index (0 = bytes, 1 = Ki, ...).
+fn scaled(bytes: u64) -> (f64, usize) {
     let mut v = bytes as f64;
     let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
+    while v >= 1024.0 && u + 1 < 5 {
         v /= 1024.0;
         u += 1;
     }
+    (v, u)
+}
+
+/// `1536` → `1.5 KiB`; `268435456` → `256 MiB`; `8` → `8 B`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (v, u) = scaled(bytes);
     if v.fract() == 0.0 {
         format!("{v:.0} {}", UNITS[u])
     } else {
@@ -74,12 +81,7 @@ pub fn format_size(bytes: u64) -> String {
 /// Short axis label: `8B`, `4K`, `1M`, `2G`.
 pub fn short_size(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "K", "M", "G", "T"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
+    let (v, u) = scaled(bytes);
     if v.fract() == 0.0 {
         format!("{v:.0}{}", UNITS[u])
     } else {
