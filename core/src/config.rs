@@ -60,7 +60,42 @@ pub struct Config {
     /// `CCL_SPIN_US`: microseconds a waiting thread polls before it sleeps
     /// (`None`: the facade decides from the ranks per host and the cores).
     pub spin: Option<Duration>,
+    /// `CCL_TRANSPORT`: `auto` (shared memory between ranks of one host, TCP
+    /// between hosts), `tcp` or `shm` (every pair, or an error).
+    pub transport: TransportChoice,
+    /// `CCL_SHM_BYTES`: shared memory per pair of ranks on one host (both directions).
+    pub shm_bytes: usize,
 }
+
+/// Which transport links use (`CCL_TRANSPORT`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory between ranks of one host, TCP between hosts.
+    #[default]
+    Auto,
+    /// TCP for every pair.
+    Tcp,
+    /// Shared memory for every pair; an error if a pair cannot use it.
+    Shm,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(TransportChoice::Auto),
+            "tcp" => Ok(TransportChoice::Tcp),
+            "shm" => Ok(TransportChoice::Shm),
+            _ => Err(format!(
+                "unknown transport '{s}' (expected auto, tcp or shm)"
+            )),
+        }
+    }
+}
+
+/// Default of `CCL_SHM_BYTES`: 1 MiB per pair, ample since large messages
+/// go by cross-memory attach rather than through the segment.
+pub const DEFAULT_SHM_BYTES: usize = 1 << 20;
 
 /// Parses `600`, `2.5`, `30s`, `500ms`, `10m`, `1h` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Option<Duration> {
@@ -182,6 +217,12 @@ impl Config {
                 "CCL_NSOCKS={nsocks} is not within 1..=64"
             )));
         }
+        let shm_bytes = num("CCL_SHM_BYTES")?.unwrap_or(DEFAULT_SHM_BYTES);
+        if !(64 * 1024..=1 << 30).contains(&shm_bytes) {
+            return Err(Error::Config(format!(
+                "CCL_SHM_BYTES={shm_bytes} is not within 64 KiB..=1 GiB"
+            )));
+        }
         Ok(Config {
             rank,
             world_size,
@@ -195,6 +236,14 @@ impl Config {
             debug: var("CCL_DEBUG").filter(|s| !s.is_empty()),
             algo: var("CCL_ALGO").filter(|s| !s.is_empty()),
             spin: num("CCL_SPIN_US")?.map(|us| Duration::from_micros(us as u64)),
+            transport: var("CCL_TRANSPORT")
+                .map(|v| {
+                    v.parse()
+                        .map_err(|m: String| Error::Config(format!("CCL_TRANSPORT: {m}")))
+                })
+                .transpose()?
+                .unwrap_or_default(),
+            shm_bytes,
         })
     }
 }

@@ -16,7 +16,7 @@ pub mod store;
 mod work;
 
 pub use buf::AlignedBuf;
-pub use config::{Config, Launcher, Rendezvous};
+pub use config::{Config, Launcher, Rendezvous, TransportChoice};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use frame::{AbortNotice, CollectiveKind, Fingerprint, FrameHeader, FrameKind};

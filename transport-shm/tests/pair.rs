@@ -1,0 +1,232 @@
+//! Two ranks as threads of one process, each with its own runtime, joined by
+//! a shared-memory link (cross-memory attach works on one's own process too).
+
+use std::{sync::Arc, thread, time::Duration};
+
+use tokio::runtime::Runtime;
+
+use ccl_core::{
+    AbortNotice, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Link,
+    ReduceOp, Reduction, Store,
+};
+use ccl_transport_shm::{connect, ShmOptions, Spin, REF_MIN};
+
+fn header(step: u32, len: usize) -> FrameHeader {
+    let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, len);
+    FrameHeader::data(9, 1, step, len, fp)
+}
+
+fn opts(bytes: usize, spin_us: u64) -> ShmOptions {
+    ShmOptions {
+        bytes,
+        timeout: Duration::from_secs(20),
+        spin: Spin {
+            window: Duration::from_micros(spin_us),
+            yield_between: false,
+        },
+        ..ShmOptions::default()
+    }
+}
+
+/// Runs `f(rank, link)` on two threads joined by one link.
+fn pair<T: Send + 'static>(
+    o: ShmOptions,
+    f: impl Fn(usize, Arc<dyn Link>, &Runtime) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let threads: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, f, o) = (store.clone(), f.clone(), o.clone());
+            thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let _guard = rt.enter();
+                let mut links = connect(rank, 9, &*store, &[1 - rank], &o).unwrap();
+                let link = links.pop().unwrap().expect("shared memory works here");
+                f(rank, link, &rt)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+fn block_on<F: std::future::Future>(rt: &Runtime, f: F) -> F::Output {
+    rt.block_on(tokio::time::timeout(Duration::from_secs(20), f))
+        .expect("no hang")
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn messages_of_every_size_arrive_intact() {
+    // Sizes straddle the block, the ring (64 KiB with these options) and the by-reference threshold.
+    let sizes = [
+        0,
+        1,
+        63,
+        64,
+        65,
+        4095,
+        20_000,
+        60_000,
+        64 * 1024,
+        REF_MIN + 1,
+        300_000,
+        3 << 20,
+    ];
+    for spin in [0, 50] {
+        pair(opts(2 * 64 * 1024 + 4096, spin), move |rank, link, rt| {
+            for (step, &len) in sizes.iter().enumerate() {
+                let h = header(step as u32, len);
+                let out = pattern(len, rank as u8);
+                let mut got = vec![0u8; len];
+                block_on(rt, async {
+                    let (s, r) = futures_join(link.send(h, &out), link.recv(h, &mut got)).await;
+                    s.unwrap();
+                    r.unwrap();
+                });
+                assert_eq!(got, pattern(len, 1 - rank as u8), "{len} bytes");
+            }
+        });
+    }
+}
+
+#[test]
+fn recv_reduce_adds_inline_and_by_reference() {
+    for len in [16usize, 4096, REF_MIN, 1 << 20] {
+        pair(opts(1 << 20, 20), move |rank, link, rt| {
+            let n = len / 4;
+            let mine: Vec<u8> = (0..n)
+                .flat_map(|i| ((i + rank) as f32).to_le_bytes())
+                .collect();
+            let h = FrameHeader::data(
+                9,
+                1,
+                0,
+                len,
+                Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, n),
+            );
+            let mut acc = vec![0u8; len];
+            block_on(rt, async {
+                let red = Reduction {
+                    op: ReduceOp::Sum,
+                    dtype: DataType::F32,
+                    local: Some(&mine),
+                };
+                let (s, r) =
+                    futures_join(link.send(h, &mine), link.recv_reduce(h, &mut acc, red)).await;
+                s.unwrap();
+                r.unwrap();
+            });
+            for (i, c) in acc.chunks(4).enumerate() {
+                let v = f32::from_le_bytes(c.try_into().unwrap());
+                assert_eq!(v, (2 * i + 1) as f32, "element {i} of {n}");
+            }
+        });
+    }
+}
+
+#[test]
+fn mismatched_header_is_named() {
+    let errs = pair(opts(1 << 20, 0), |rank, link, rt| {
+        block_on(rt, async {
+            if rank == 0 {
+                link.send(header(0, 8), &[0; 8]).await.unwrap();
+                None
+            } else {
+                let other = FrameHeader::data(
+                    9,
+                    2,
+                    0,
+                    8,
+                    Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, 8),
+                );
+                Some(link.recv(other, &mut [0; 8]).await.unwrap_err())
+            }
+        })
+    });
+    assert!(
+        matches!(
+            errs[1],
+            Some(Error::Mismatch {
+                rank: 1,
+                peer: 0,
+                ..
+            })
+        ),
+        "{:?}",
+        errs[1]
+    );
+}
+
+#[test]
+fn abort_notice_reaches_a_waiting_receiver() {
+    let errs = pair(opts(1 << 20, 0), |rank, link, rt| {
+        block_on(rt, async {
+            if rank == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let notice = AbortNotice {
+                    failed_rank: 0,
+                    reason: "rank 0 gave up".into(),
+                };
+                link.abort(&notice).await.unwrap();
+                None
+            } else {
+                Some(link.recv(header(0, 8), &mut [0; 8]).await.unwrap_err())
+            }
+        })
+    });
+    match &errs[1] {
+        Some(Error::PeerLost {
+            rank: 1,
+            peer: 0,
+            cause,
+            ..
+        }) => {
+            assert!(cause.contains("gave up"), "{cause}")
+        }
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn a_dropped_peer_fails_a_waiting_sender_by_reference() {
+    let errs = pair(opts(1 << 20, 0), |rank, link, rt| {
+        if rank == 0 {
+            // Leave without reading: the by-reference send on rank 1 must not wait forever.
+            thread::sleep(Duration::from_millis(100));
+            drop(link);
+            None
+        } else {
+            let data = vec![7u8; 1 << 20];
+            Some(block_on(rt, link.send(header(0, data.len()), &data)).unwrap_err())
+        }
+    });
+    assert!(
+        matches!(
+            errs[1],
+            Some(Error::PeerLost {
+                rank: 1,
+                peer: 0,
+                ..
+            })
+        ),
+        "{:?}",
+        errs[1]
+    );
+}
+
+/// Joins two futures (both must make progress: a send may wait for the receive).
+async fn futures_join<A: std::future::Future, B: std::future::Future>(
+    a: A,
+    b: B,
+) -> (A::Output, B::Output) {
+    tokio::join!(a, b)
+}
