@@ -12,7 +12,8 @@ use std::{
 use ccl_algorithms::{Action, Algorithm, BufId, Builder, Call, IoBuffers, Region, Schedule, Spec};
 use ccl_core::{
     op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
-    HashStore, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore, Work,
+    HashStore, Link, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store, TcpStore,
+    TransportChoice, Work,
 };
 use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
 
@@ -39,10 +40,17 @@ pub struct Options {
     /// Algorithm overrides, as `CCL_ALGO` spells them: `ring`, or
     /// `allreduce=rd,broadcast=tree`. `None`: chosen by size.
     pub algo: Option<String>,
-    /// How long a thread waiting for the network polls before it sleeps.
-    /// Polling saves the kernel's wake-up on small messages but takes a core:
-    /// worth it only when the ranks on this host do not outnumber the cores.
-    pub spin: Duration,
+    /// How a thread waiting for a peer polls before it sleeps. Polling saves
+    /// the kernel's wake-up on small messages but takes a core; when the
+    /// ranks on this host outnumber the cores it yields between polls.
+    pub spin: Spin,
+    /// Which transport links use: shared memory between ranks of one host
+    /// and TCP between hosts (`Auto`), or one of them for every pair.
+    pub transport: TransportChoice,
+    /// Shared memory per pair of ranks on one host.
+    pub shm_bytes: usize,
+    /// Ranks with equal host ids may share memory (`None`: detected).
+    pub host_id: Option<String>,
 }
 
 impl Default for Options {
@@ -53,12 +61,15 @@ impl Default for Options {
             interface: None,
             local_ip: None,
             algo: None,
-            spin: Duration::ZERO,
+            spin: Spin::default(),
+            transport: TransportChoice::Auto,
+            shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
+            host_id: None,
         }
     }
 }
 
-/// Polling window when the ranks of this host fit on its cores (`CCL_SPIN_US` overrides).
+/// Polling window (`CCL_SPIN_US` overrides).
 const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
@@ -105,16 +116,91 @@ impl Options {
             interface: config.socket_ifname.clone(),
             local_ip,
             algo: config.algo.clone(),
-            spin: config.spin.unwrap_or_else(|| {
+            spin: {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                if config.local_world_size <= cores {
-                    DEFAULT_SPIN
-                } else {
-                    Duration::ZERO
+                Spin {
+                    window: config.spin.unwrap_or(DEFAULT_SPIN),
+                    yield_between: config.local_world_size > cores,
                 }
-            }),
+            },
+            transport: config.transport,
+            shm_bytes: config.shm_bytes,
+            host_id: config.host_id.clone(),
         }
     }
+}
+
+/// Logs the first fallback from shared memory to TCP in this process.
+static SHM_FALLBACK_LOGGED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Sets up shared-memory links to the peers on this host (as the transport
+/// choice allows): one entry per rank, `None` where TCP is to be used.
+///
+/// Every rank publishes its host identity; pairs with equal identities try
+/// shared memory, and a pair that cannot use it falls back to TCP (logged
+/// once), or fails the set-up if shared memory was required.
+fn connect_shared_memory(
+    rank: usize,
+    world_size: usize,
+    comm: u64,
+    store: &dyn Store,
+    options: &Options,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Vec<Option<Arc<dyn Link>>>> {
+    let mut links: Vec<Option<Arc<dyn Link>>> = vec![None; world_size];
+    if options.transport == TransportChoice::Tcp {
+        return Ok(links);
+    }
+    let host = options
+        .host_id
+        .clone()
+        .unwrap_or_else(ccl_transport_shm::host_id);
+    store.set(&format!("host/{rank}"), host.as_bytes())?;
+    let deadline = Instant::now() + options.timeout;
+    let mut local = Vec::new();
+    for p in (0..world_size).filter(|&p| p != rank) {
+        let theirs = store.get(
+            &format!("host/{p}"),
+            deadline.saturating_duration_since(Instant::now()),
+        )?;
+        if theirs == host.as_bytes() {
+            local.push(p);
+        } else if options.transport == TransportChoice::Shm {
+            return Err(Error::Config(format!(
+                "CCL_TRANSPORT=shm, but rank {p} is on another host than rank {rank} ({} and {host})",
+                String::from_utf8_lossy(&theirs)
+            )));
+        }
+    }
+    let shm = ccl_transport_shm::ShmOptions {
+        bytes: options.shm_bytes,
+        timeout: deadline.saturating_duration_since(Instant::now()),
+        spin: options.spin,
+        ..Default::default()
+    };
+    let _runtime = runtime.enter();
+    let results = ccl_transport_shm::connect(rank, comm, store, &local, &shm)?;
+    for (p, result) in local.into_iter().zip(results) {
+        match result {
+            Ok(link) => links[p] = Some(link),
+            Err(why) if options.transport == TransportChoice::Shm => {
+                return Err(Error::Config(format!(
+                    "CCL_TRANSPORT=shm, but rank {rank} cannot share memory with rank {p}: {why}"
+                )))
+            }
+            Err(why) => {
+                if !SHM_FALLBACK_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
+                        rank,
+                        peer = p,
+                        "shared memory unavailable, using TCP: {why}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(links)
 }
 
 /// A stable 64-bit hash (FNV-1a) of a communicator's store prefix: its id on the wire.
@@ -247,18 +333,27 @@ impl Communicator {
             timeout: options.timeout,
         };
         let links = if world_size > 1 {
-            runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?
+            let shm = connect_shared_memory(rank, world_size, comm, &*scoped, &options, &runtime)?;
+            let mut links =
+                runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?;
+            let nshm = shm.iter().flatten().count();
+            for (link, shm) in links.iter_mut().zip(shm) {
+                if shm.is_some() {
+                    *link = shm;
+                }
+            }
+            tracing::info!(
+                rank,
+                world_size,
+                prefix,
+                "connected to {} peers ({nshm} through shared memory) in {:?}",
+                world_size - 1,
+                started.elapsed()
+            );
+            links
         } else {
             vec![None]
         };
-        tracing::info!(
-            rank,
-            world_size,
-            prefix,
-            "connected to {} peers over TCP in {:?}",
-            world_size - 1,
-            started.elapsed()
-        );
         let engine = Engine::start(rank, runtime, links, scoped, options.spin)?;
         Ok(Communicator {
             rank,

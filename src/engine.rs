@@ -13,7 +13,7 @@
 //! their order. A collective first waits for every transfer issued before it.
 //!
 //! While it waits for the network, the driving thread first polls without
-//! sleeping for a short window ([`Spin`]): on small messages, sleeping in the
+//! sleeping for a short window ([`Polling`]): on small messages, sleeping in the
 //! kernel and being woken costs more than the message itself.
 //!
 //! After any failure the communicator is broken: the rank that failed first
@@ -37,7 +37,7 @@ use std::{
 };
 
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
-use ccl_core::{AbortNotice, AlignedBuf, Error, Link, Result, Store};
+use ccl_core::{AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
 /// How long aborting may spend telling the peers.
@@ -47,43 +47,47 @@ const ABORT_RECORD_DEADLINE: Duration = Duration::from_secs(2);
 /// Store key (under the communicator's prefix) of the first failure.
 const ABORT_KEY: &str = "abort";
 
-/// Polls a future without letting the runtime sleep for up to `window` after
-/// each real wake-up: while it is pending and inside the window it wakes
-/// itself, so the runtime checks the sockets without blocking and polls again.
-/// Past the window it returns `Pending` like any future and the thread sleeps.
-struct Spin<F> {
+/// Polls a future without letting the runtime sleep for up to the spin
+/// window after each real wake-up: while it is pending and inside the window
+/// it wakes itself (yielding the core first if asked to), so the runtime
+/// checks the sockets without blocking and polls again. Past the window it
+/// returns `Pending` like any future and the thread sleeps.
+struct Polling<F> {
     inner: F,
-    window: Duration,
+    spin: Spin,
     until: Instant,
     /// The last wake-up was our own.
     self_woken: bool,
 }
 
-impl<F: Future + Unpin> Spin<F> {
-    fn new(inner: F, window: Duration) -> Spin<F> {
-        Spin {
+impl<F: Future + Unpin> Polling<F> {
+    fn new(inner: F, spin: Spin) -> Polling<F> {
+        Polling {
             inner,
-            window,
+            spin,
             until: Instant::now(),
             self_woken: false,
         }
     }
 }
 
-impl<F: Future + Unpin> Future for Spin<F> {
+impl<F: Future + Unpin> Future for Polling<F> {
     type Output = F::Output;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        if self.window.is_zero() {
+        if self.spin.window.is_zero() {
             return Pin::new(&mut self.inner).poll(cx);
         }
         if !self.self_woken {
-            self.until = Instant::now() + self.window;
+            self.until = Instant::now() + self.spin.window;
         }
         self.self_woken = false;
         match Pin::new(&mut self.inner).poll(cx) {
             Poll::Ready(v) => Poll::Ready(v),
             Poll::Pending => {
                 if Instant::now() < self.until {
+                    if self.spin.yield_between {
+                        thread::yield_now();
+                    }
                     self.self_woken = true;
                     cx.waker().wake_by_ref();
                 }
@@ -130,8 +134,8 @@ struct Shared {
     transfers_done: Notify,
     /// Scratch memory of collectives (one runs at a time).
     scratch: Mutex<AlignedBuf>,
-    /// How long the driving thread polls before it sleeps.
-    spin: Duration,
+    /// How the driving thread polls before it sleeps.
+    spin: Spin,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -277,7 +281,7 @@ impl Engine {
         runtime: Runtime,
         links: Vec<Option<Arc<dyn Link>>>,
         store: Arc<dyn Store>,
-        spin: Duration,
+        spin: Spin,
     ) -> Result<Engine> {
         let shared = Arc::new(Shared {
             rank,
@@ -331,7 +335,7 @@ impl Engine {
                 let mut scratch = lock(&self.shared.scratch);
                 {
                     let run = std::pin::pin!(self.shared.run(job, &mut scratch));
-                    self.runtime.block_on(Spin::new(run, self.shared.spin));
+                    self.runtime.block_on(Polling::new(run, self.shared.spin));
                 }
                 drop(scratch);
                 let mut q = lock(&self.shared.queue);
@@ -382,7 +386,7 @@ fn progress_thread(shared: Arc<Shared>, runtime: Arc<Runtime>) {
             q.driving = true;
         }
         let driving = std::pin::pin!(drive(&shared, &mut lanes));
-        runtime.block_on(Spin::new(driving, shared.spin));
+        runtime.block_on(Polling::new(driving, shared.spin));
     }
     // Let transfers still in their lanes finish before the runtime goes away.
     drop(lanes);

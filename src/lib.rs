@@ -25,13 +25,11 @@ pub use ccl_core::{
 };
 pub use communicator::{Communicator, Options};
 
-/// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`),
-/// unless the program installed one already.
+/// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`;
+/// warnings and errors when unset), unless the program installed one already.
 pub fn init_tracing(filter: Option<&str>) {
-    if let Some(f) = filter {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(f))
-            .with_writer(std::io::stderr)
-            .try_init();
-    }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter.unwrap_or("warn")))
+        .with_writer(std::io::stderr)
+        .try_init();
 }

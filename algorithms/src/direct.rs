@@ -6,12 +6,16 @@ use crate::schedule::{Action, BufId, Builder, Region, Schedule};
 /// All-to-all: block p of the input goes to rank p; block p of the output comes from rank p.
 ///
 /// At step s rank r sends to r+s and receives from r-s, so every pair talks at
-/// once without contention. All sends come first in program order, so for an
-/// in-place call a receive waits until the block it overwrites has been sent.
+/// once without contention. Blocks arrive in scratch memory and are copied to
+/// the output once the block they overwrite has been sent: a receive never
+/// waits for a send, which matters on links where a send completes only once
+/// the peer has taken the data (shared memory by reference, RDMA).
 pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
     let mut b = Builder::new();
     let inp = |i: usize| Region::new(BufId::Input, i * count, count);
     let out = |i: usize| Region::new(BufId::Output, i * count, count);
+    let tmp = |i: usize| Region::new(BufId::Scratch, i * count, count);
+    b.scratch(n * count);
     b.push(Action::Copy {
         src: inp(rank),
         dst: out(rank),
@@ -27,6 +31,13 @@ pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
         let from = (rank + n - s) % n;
         b.push(Action::Recv {
             peer: from,
+            dst: tmp(from),
+        });
+    }
+    for s in 1..n {
+        let from = (rank + n - s) % n;
+        b.push(Action::Copy {
+            src: tmp(from),
             dst: out(from),
         });
     }

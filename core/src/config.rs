@@ -65,6 +65,9 @@ pub struct Config {
     pub transport: TransportChoice,
     /// `CCL_SHM_BYTES`: shared memory per pair of ranks on one host (both directions).
     pub shm_bytes: usize,
+    /// `CCL_HOST_ID`: ranks with equal values count as one host (default: the
+    /// hostname, boot id and namespaces of the process).
+    pub host_id: Option<String>,
 }
 
 /// Which transport links use (`CCL_TRANSPORT`).
@@ -244,6 +247,7 @@ impl Config {
                 .transpose()?
                 .unwrap_or_default(),
             shm_bytes,
+            host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
         })
     }
 }

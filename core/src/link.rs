@@ -1,8 +1,17 @@
 //! The `Link` trait: a reliable, ordered, framed channel to one peer.
 
-use std::{future::Future, pin::Pin};
+use std::{future::Future, pin::Pin, time::Duration};
 
 use crate::{op, AbortNotice, AlignedBuf, DataType, FrameHeader, ReduceOp, Result};
+
+/// How a thread waiting for a peer behaves before it sleeps in the kernel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Spin {
+    /// How long to keep polling (zero: sleep at once).
+    pub window: Duration,
+    /// Yield the core between polls, for when the ranks outnumber the cores.
+    pub yield_between: bool,
+}
 
 /// A boxed future returned by [`Link`] methods.
 pub type LinkFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T>> + Send + 'a>>;

@@ -12,6 +12,8 @@ use std::{
 #[derive(Debug)]
 pub struct RankOutput {
     pub rank: usize,
+    /// Process id.
+    pub pid: u32,
     /// Exit code; `None` if killed by a signal.
     pub code: Option<i32>,
     pub stdout: String,
@@ -37,6 +39,17 @@ pub fn launch(
     env: &[(&str, String)],
     deadline: Duration,
 ) -> Vec<RankOutput> {
+    launch_each(program, args, n, |_| env.to_vec(), deadline)
+}
+
+/// [`launch`] with variables that differ per rank: `env(rank)`.
+pub fn launch_each<'a>(
+    program: &str,
+    args: &[&str],
+    n: usize,
+    env: impl Fn(usize) -> Vec<(&'a str, String)>,
+    deadline: Duration,
+) -> Vec<RankOutput> {
     let port = ccl::free_port()
         .expect("a free port for the store")
         .to_string();
@@ -58,7 +71,7 @@ pub fn launch(
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            for (k, v) in env {
+            for (k, v) in env(rank) {
                 cmd.env(k, v);
             }
             let mut child = cmd
@@ -79,6 +92,7 @@ pub fn launch(
             (child, o, e)
         })
         .collect();
+    let pids: Vec<u32> = children.iter().map(|(c, _, _)| c.id()).collect();
     let mut status: Vec<Option<(Option<i32>, Duration)>> = vec![None; n];
     while status.iter().any(Option::is_none) {
         for (rank, (child, _, _)) in children.iter_mut().enumerate() {
@@ -102,11 +116,13 @@ pub fn launch(
     children
         .into_iter()
         .zip(status)
+        .zip(pids)
         .enumerate()
-        .map(|(rank, ((_, o, e), s))| {
+        .map(|(rank, (((_, o, e), s), pid))| {
             let (code, elapsed) = s.unwrap();
             RankOutput {
                 rank,
+                pid,
                 code,
                 stdout: o.join().unwrap_or_default(),
                 stderr: e.join().unwrap_or_default(),

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use ccl_tests::{assert_all_ok, launch};
+use ccl_tests::{assert_all_ok, launch, launch_each};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
@@ -29,6 +29,79 @@ fn every_collective_dtype_and_op_across_world_sizes() {
 }
 
 #[test]
+fn every_collective_over_tcp() {
+    for n in [2, 3, 5] {
+        let mut e = env("60s");
+        e.push(("CCL_TRANSPORT", "tcp".into()));
+        let out = launch(WORKER, &["collectives"], n, &e, Duration::from_secs(240));
+        assert_all_ok(&out, &format!("collectives over TCP with {n} ranks"));
+    }
+}
+
+/// Two "hosts" of two or three ranks: shared memory within, TCP between.
+#[test]
+fn mixed_shared_memory_and_tcp_pairs() {
+    for n in [4, 5] {
+        let out = launch_each(
+            WORKER,
+            &["collectives"],
+            n,
+            |rank| {
+                let mut e = env("60s");
+                e.push(("CCL_HOST_ID", format!("host{}", rank / 2)));
+                e.push(("CCL_DEBUG", "info".into()));
+                e
+            },
+            Duration::from_secs(240),
+        );
+        assert_all_ok(&out, &format!("collectives on two hosts, {n} ranks"));
+        for o in &out {
+            let local = (0..n)
+                .filter(|&r| r / 2 == o.rank / 2 && r != o.rank)
+                .count();
+            assert!(
+                o.stderr
+                    .contains(&format!("({local} through shared memory)")),
+                "rank {} should share memory with {local} peers: {}",
+                o.rank,
+                o.stderr
+            );
+        }
+    }
+}
+
+/// With a `/dev/shm` too small for a segment (a 16 KiB tmpfs in a private
+/// mount namespace per rank, same host id), every pair falls back to TCP, says
+/// so once, and the collectives still give the right results.
+#[test]
+fn a_full_dev_shm_falls_back_to_tcp() {
+    let script = format!("mount -t tmpfs -o size=16k tmpfs /dev/shm && exec {WORKER} collectives");
+    let out = launch_each(
+        "unshare",
+        &["--mount", "--propagation", "private", "sh", "-c", &script],
+        3,
+        |_| {
+            let mut e = env("60s");
+            e.push(("CCL_HOST_ID", "one-host".into()));
+            e
+        },
+        Duration::from_secs(240),
+    );
+    assert_all_ok(&out, "collectives with a full /dev/shm");
+    for o in &out {
+        assert_eq!(
+            o.stderr
+                .matches("shared memory unavailable, using TCP")
+                .count(),
+            1,
+            "rank {} must log the fallback once: {}",
+            o.rank,
+            o.stderr
+        );
+    }
+}
+
+#[test]
 fn collectives_with_every_algorithm_forced() {
     for (n, algo) in [(3, "ring"), (5, "ring"), (6, "rd")] {
         let mut e = env("60s");
@@ -45,6 +118,7 @@ fn collectives_with_every_algorithm_forced() {
 fn collectives_with_several_sockets_per_peer() {
     let mut e = env("60s");
     e.push(("CCL_NSOCKS", "3".into()));
+    e.push(("CCL_TRANSPORT", "tcp".into()));
     let out = launch(WORKER, &["p2p"], 3, &e, Duration::from_secs(60));
     assert_all_ok(&out, "p2p with 3 sockets per peer");
 }
@@ -100,14 +174,25 @@ fn mismatched_counts_fail_on_every_rank() {
 
 #[test]
 fn a_dead_rank_is_named_by_every_survivor() {
-    for (n, victim) in [(2, 1), (4, 2), (5, 0)] {
+    for (n, victim, transport) in [(2, 1, "shm"), (4, 2, "auto"), (5, 0, "tcp"), (3, 0, "shm")] {
+        let mut e = env("30s");
+        e.push(("CCL_TRANSPORT", transport.into()));
         let out = launch(
             WORKER,
             &["die", &victim.to_string()],
             n,
-            &env("30s"),
+            &e,
             Duration::from_secs(60),
         );
+        let left: Vec<String> = std::fs::read_dir("/dev/shm")
+            .expect("/dev/shm")
+            .filter_map(|f| f.ok()?.file_name().into_string().ok())
+            .filter(|f| {
+                out.iter()
+                    .any(|o| f.starts_with(&format!("ccl-{}-", o.pid)))
+            })
+            .collect();
+        assert!(left.is_empty(), "segments left in /dev/shm: {left:?}");
         for o in &out {
             if o.rank == victim {
                 assert_eq!(o.code, Some(7));

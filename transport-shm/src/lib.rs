@@ -27,10 +27,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{Error, Link, Result, Store};
+use ccl_core::{Error, Link, Result, Spin, Store};
 use nix::{sys::uio::RemoteIoVec, unistd::Pid};
 
-pub use link::{Spin, REF_MIN};
+pub use link::REF_MIN;
 
 use doorbell::{Bell, Doorbell};
 use link::{ShmLink, CMA_OK, CONTROL};

@@ -36,13 +36,13 @@ use std::{
         Arc, Mutex,
     },
     task::Poll,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
     op, AbortNotice, AlignedBuf, Error, FrameHeader, FrameKind, Link, LinkFuture, Reduction,
-    Result,
+    Result, Spin,
 };
 use nix::{
     sys::uio::{process_vm_readv, RemoteIoVec},
@@ -100,15 +100,6 @@ pub(crate) fn check(seg: &Segment, cap: usize) -> std::result::Result<(), String
         ));
     }
     Ok(())
-}
-
-/// How a waiting thread behaves before it sleeps.
-#[derive(Clone, Copy, Debug)]
-pub struct Spin {
-    /// How long to poll before sleeping on the doorbell.
-    pub window: Duration,
-    /// Yield the core between polls (when the ranks outnumber the cores).
-    pub yield_between: bool,
 }
 
 /// Where a received payload goes.

@@ -7,9 +7,9 @@ use tokio::runtime::Runtime;
 
 use ccl_core::{
     AbortNotice, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Link,
-    ReduceOp, Reduction, Store,
+    ReduceOp, Reduction, Spin, Store,
 };
-use ccl_transport_shm::{connect, ShmOptions, Spin, REF_MIN};
+use ccl_transport_shm::{connect, ShmOptions, REF_MIN};
 
 fn header(step: u32, len: usize) -> FrameHeader {
     let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, len);
