@@ -20,8 +20,8 @@ mod engine;
 pub use ccl_algorithms::Algorithm;
 pub use ccl_core::{
     bf16, config, f16, free_port, CollectiveKind, Config, DataType, Element, Error, FileStore,
-    HashStore, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Store, TcpStore,
-    TcpStoreServer, Work,
+    HashStore, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store, TcpStore,
+    TcpStoreServer, TransportChoice, Work,
 };
 pub use communicator::{Communicator, Options};
 

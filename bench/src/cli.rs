@@ -233,8 +233,8 @@ pub struct BenchArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Transport (only tcp exists today)
-    #[arg(short = 't', long, value_name = "NAME", default_value = "tcp")]
+    /// Transport: auto (shared memory between ranks of one host, TCP between hosts), tcp, or shm
+    #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
     pub transport: String,
     /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms
     #[arg(short = 'a', long, value_name = "ALGO", default_value = "auto")]
@@ -409,9 +409,9 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
 pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     let mut plan = common_plan(coll, &a.sizes, &a.common)?;
     let transport = a.transport.to_ascii_lowercase();
-    if transport != "tcp" {
+    if !["auto", "tcp", "shm"].contains(&transport.as_str()) {
         return Err(format!(
-            "--transport {}: not available (ccl has only the tcp transport today)",
+            "--transport {}: not available (expected auto, tcp or shm)",
             a.transport
         ));
     }

@@ -582,7 +582,7 @@ pub fn compare(a: CompareArgs) -> i32 {
         plan.warmup
     );
     println!(
-        "# ccl {} over tcp (algo auto) vs {version}: shm = mpirun {}; tcp = mpirun {}",
+        "# ccl {} (transport auto, algo auto) vs {version}: shm = mpirun {}; tcp = mpirun {}",
         env!("CARGO_PKG_VERSION"),
         mpirun_args(n, false).join(" "),
         mpirun_args(n, true).join(" ")
@@ -663,7 +663,7 @@ pub fn compare(a: CompareArgs) -> i32 {
             sizes_requested: plan.sizes.clone(),
             mpirun_shm: mpirun_args(n, false),
             mpirun_tcp: mpirun_args(n, true),
-            ccl_transport: "tcp".into(),
+            ccl_transport: "auto".into(),
             time_definition: report::TIME_DEFINITION.into(),
         },
         rows,

@@ -218,7 +218,14 @@ fn algo_label(comm: &Communicator, plan: &Plan, count: usize) -> String {
     }
 }
 
-fn header(plan: &Plan, n: usize, hosts: &[String], launcher: &str, config: &Config) -> String {
+fn header(
+    plan: &Plan,
+    n: usize,
+    hosts: &[String],
+    launcher: &str,
+    config: &Config,
+    transport: &str,
+) -> String {
     let nh = distinct(hosts);
     let host_word = if nh.len() == 1 { "host" } else { "hosts" };
     let mut s = format!(
@@ -226,7 +233,7 @@ fn header(plan: &Plan, n: usize, hosts: &[String], launcher: &str, config: &Conf
         plan.coll.name(),
         nh.len(),
         nh.join(", "),
-        plan.transport,
+        transport,
         plan.dtype,
     );
     if plan.coll.has_op() {
@@ -302,6 +309,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     for (i, algo) in plan.algos.iter().enumerate() {
         let mut options = Options::from_config(config);
         options.timeout = plan.timeout;
+        options.transport = plan.transport.parse().map_err(ccl::Error::Config)?;
         options.algo = match algo {
             None => config.algo.clone(),
             Some(a) => Some(format!("{}={}", plan.coll.kind().name(), a.name())),
@@ -323,6 +331,15 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     comms[0].allreduce(&mut spans, ReduceOp::Max)?;
     let [setup_s, spawn_s] = spans;
     let hosts = hosts(&comms[0])?;
+    // How many ranks reach every other rank through shared memory.
+    let mut shm_peers = [comms[0].shared_memory_peers() as u64];
+    comms[0].allreduce(&mut shm_peers, ReduceOp::Min)?;
+    let transport = format!(
+        "{} ({} of {} peers through shared memory)",
+        plan.transport,
+        shm_peers[0],
+        n - 1
+    );
     let is_root = rank == 0;
     let die = std::env::var(DIE_RANK_VAR)
         .ok()
@@ -330,7 +347,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         == Some(rank);
 
     if is_root {
-        print!("{}", header(plan, n, &hosts, &launcher, config));
+        print!("{}", header(plan, n, &hosts, &launcher, config, &transport));
         if spawned_at.is_some() {
             println!(
                 "# setup: {setup_s:.3} s (spawn {spawn_s:.3} s, rendezvous + connect {:.3} s) for {n} ranks",

@@ -404,7 +404,7 @@ fn reports_are_written_and_well_formed() {
     }
     let c = &v["config"];
     assert_eq!(c["ranks"], 2);
-    assert_eq!(c["transport"], "tcp");
+    assert_eq!(c["transport"], "auto");
     assert_eq!(c["algo_requested"], "all");
     assert_eq!(c["hosts"].as_array().unwrap().len(), 1);
     assert!(v["versions"]["ccl"].is_string());
