@@ -194,6 +194,28 @@ pub fn connect(
     let pid = std::process::id() as i32;
     let key = |a: usize, b: usize, what: &str| format!("shm/{a}-{b}/{what}");
 
+    // The link to `p` over a segment both have mapped, once `p` told how to
+    // reach it: probes whether this side can read p's memory (the sender
+    // looks at that word before sending by reference).
+    let link_to = |p: usize, seg: Segment, o: &Offer| -> Result<Arc<dyn Link>> {
+        let peer_bell = Bell::new(&o.bell)
+            .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
+        let can_read = probe_cma(Pid::from_raw(o.pid), o.base);
+        seg.word(link::side(usize::from(rank > p)) + CMA_OK)
+            .store(if can_read { 1 } else { 2 }, Ordering::Release);
+        Ok(Arc::new(ShmLink::new(
+            rank,
+            p,
+            comm,
+            seg,
+            cap,
+            bell.clone(),
+            peer_bell,
+            Pid::from_raw(o.pid),
+            opts.spin,
+        )))
+    };
+
     // 1. Offer a segment to every higher peer.
     let mut created: Vec<Option<std::result::Result<Segment, String>>> = Vec::new();
     for &p in peers {
@@ -236,9 +258,6 @@ pub fn connect(
                 .map_err(|e| format!("rank {rank} opening {}: {e}", o.path))?;
             seg.unlink();
             link::check(&seg, cap)?;
-            let can_read = probe_cma(Pid::from_raw(o.pid), o.base);
-            seg.word(link::side(1) + CMA_OK)
-                .store(if can_read { 1 } else { 2 }, Ordering::Release);
             Ok((seg, o))
         });
         let answer = match &opened {
@@ -253,21 +272,7 @@ pub fn connect(
         };
         store.set(&key(p, rank, "answer"), answer.as_bytes())?;
         results[i] = Some(match opened {
-            Ok((seg, o)) => {
-                let peer_bell = Bell::new(&o.bell)
-                    .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
-                Ok(Arc::new(ShmLink::new(
-                    rank,
-                    p,
-                    comm,
-                    seg,
-                    cap,
-                    bell.clone(),
-                    peer_bell,
-                    Pid::from_raw(o.pid),
-                    opts.spin,
-                )) as Arc<dyn Link>)
-            }
+            Ok((seg, o)) => Ok(link_to(p, seg, &o)?),
             Err(e) => Err(e),
         });
     }
@@ -283,24 +288,7 @@ pub fn connect(
         }
         let answer = Offer::decode(&answer?);
         results[i] = Some(match (seg, answer) {
-            (Ok(seg), Ok(o)) => {
-                let peer_bell = Bell::new(&o.bell)
-                    .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
-                let can_read = probe_cma(Pid::from_raw(o.pid), o.base);
-                seg.word(link::side(0) + CMA_OK)
-                    .store(if can_read { 1 } else { 2 }, Ordering::Release);
-                Ok(Arc::new(ShmLink::new(
-                    rank,
-                    p,
-                    comm,
-                    seg,
-                    cap,
-                    bell.clone(),
-                    peer_bell,
-                    Pid::from_raw(o.pid),
-                    opts.spin,
-                )) as Arc<dyn Link>)
-            }
+            (Ok(seg), Ok(o)) => Ok(link_to(p, seg, &o)?),
             (Err(e), _) | (_, Err(e)) => Err(e),
         });
     }
