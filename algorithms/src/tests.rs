@@ -3,25 +3,41 @@
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use ccl_core::{
     AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, FrameKind,
     Link, LinkFuture, ReduceOp, Result,
 };
 use futures::future::join_all;
-use tokio::sync::{mpsc, Mutex};
+use tokio::sync::{mpsc, oneshot, Mutex};
 
 use crate::{execute, Algorithm, Call, IoBuffers, Spec};
 
-type Frame = (FrameHeader, Vec<u8>);
+/// A frame, and on a rendezvous link the sender's wait for it to be taken.
+type Frame = (FrameHeader, Vec<u8>, Option<oneshot::Sender<()>>);
 
 /// A link through memory: one unbounded channel per direction.
 struct MemLink {
     rank: usize,
     peer: usize,
+    /// Sends complete only once the peer has received the frame, as on
+    /// shared memory for large messages: a schedule whose receives wait, in a
+    /// cycle, for sends on the same pairs hangs here.
+    rendezvous: bool,
     tx: mpsc::UnboundedSender<Frame>,
     rx: Mutex<mpsc::UnboundedReceiver<Frame>>,
+}
+
+impl MemLink {
+    fn lost(&self) -> Error {
+        Error::PeerLost {
+            rank: self.rank,
+            peer: self.peer,
+            call: String::new(),
+            cause: "channel closed".into(),
+        }
+    }
 }
 
 impl Link for MemLink {
@@ -34,30 +50,30 @@ impl Link for MemLink {
     fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
         Box::pin(async move {
             assert_eq!(header.len as usize, data.len());
+            let (taken_tx, taken) = if self.rendezvous {
+                let (tx, rx) = oneshot::channel();
+                (Some(tx), Some(rx))
+            } else {
+                (None, None)
+            };
             self.tx
-                .send((header, data.to_vec()))
-                .map_err(|_| Error::PeerLost {
-                    rank: self.rank,
-                    peer: self.peer,
-                    call: String::new(),
-                    cause: "channel closed".into(),
-                })
+                .send((header, data.to_vec(), taken_tx))
+                .map_err(|_| self.lost())?;
+            if let Some(taken) = taken {
+                taken.await.map_err(|_| self.lost())?;
+            }
+            Ok(())
         })
     }
     fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let (h, data) = self
+            let (h, data, taken) = self
                 .rx
                 .lock()
                 .await
                 .recv()
                 .await
-                .ok_or_else(|| Error::PeerLost {
-                    rank: self.rank,
-                    peer: self.peer,
-                    call: String::new(),
-                    cause: "channel closed".into(),
-                })?;
+                .ok_or_else(|| self.lost())?;
             if h.kind == FrameKind::Abort {
                 return Err(AbortNotice::decode(&data)
                     .unwrap()
@@ -65,18 +81,21 @@ impl Link for MemLink {
             }
             expect.check_received(&h, self.rank, self.peer)?;
             into.copy_from_slice(&data);
+            if let Some(taken) = taken {
+                let _ = taken.send(());
+            }
             Ok(())
         })
     }
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let _ = self.tx.send((notice.header(0), notice.encode()));
+            let _ = self.tx.send((notice.header(0), notice.encode(), None));
             Ok(())
         })
     }
 }
 
-fn mesh(n: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
+fn mesh(n: usize, rendezvous: bool) -> Vec<Vec<Option<Arc<dyn Link>>>> {
     let mut links: Vec<Vec<Option<Arc<dyn Link>>>> =
         (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
     for a in 0..n {
@@ -86,12 +105,14 @@ fn mesh(n: usize) -> Vec<Vec<Option<Arc<dyn Link>>>> {
             links[a][b] = Some(Arc::new(MemLink {
                 rank: a,
                 peer: b,
+                rendezvous,
                 tx: ab_tx,
                 rx: Mutex::new(ba_rx),
             }));
             links[b][a] = Some(Arc::new(MemLink {
                 rank: b,
                 peer: a,
+                rendezvous,
                 tx: ba_tx,
                 rx: Mutex::new(ab_rx),
             }));
@@ -127,13 +148,42 @@ fn run(
     dtype: DataType,
     inputs: &[Vec<u8>],
 ) -> Vec<Vec<u8>> {
-    let links = mesh(n);
+    run_on(
+        &mesh(n, false),
+        algorithm,
+        kind,
+        n,
+        count,
+        root,
+        op,
+        piece,
+        layout,
+        dtype,
+        inputs,
+    )
+}
+
+/// Runs one collective on every rank over `links`; returns each rank's output.
+/// A run that has not finished within a minute is a hang, and panics.
+fn run_on(
+    links: &[Vec<Option<Arc<dyn Link>>>],
+    algorithm: Algorithm,
+    kind: CollectiveKind,
+    n: usize,
+    count: usize,
+    root: usize,
+    op: ReduceOp,
+    piece: usize,
+    layout: Layout,
+    dtype: DataType,
+    inputs: &[Vec<u8>],
+) -> Vec<Vec<u8>> {
     let esz = dtype.size();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let results: Vec<Result<Vec<u8>>> = rt.block_on(join_all((0..n).map(|rank| {
+    let all = join_all((0..n).map(|rank| {
         let links = &links[rank];
         let input = inputs[rank].clone();
         async move {
@@ -207,7 +257,10 @@ fn run(
                 }
             }
         }
-    })));
+    }));
+    let results: Vec<Result<Vec<u8>>> = rt
+        .block_on(async { tokio::time::timeout(Duration::from_secs(60), all).await })
+        .unwrap_or_else(|_| panic!("{kind} {algorithm} n={n} count={count} root={root} hangs"));
     results
         .into_iter()
         .enumerate()
@@ -240,7 +293,8 @@ fn piece_for(count: usize) -> usize {
     }
 }
 
-/// Checks one collective for every world size, count, root and layout with u64 sum.
+/// Checks one collective with every algorithm for every world size, count,
+/// root and layout with u64 sum, over plain and rendezvous links.
 fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize) -> Vec<u64>) {
     for n in 1..=16 {
         for count in counts(n) {
@@ -267,11 +321,14 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         bytes(&(0..len).map(|i| val(r, i)).collect::<Vec<_>>())
                     })
                     .collect();
-                let variants = Algorithm::for_kind(kind)
-                    .iter()
-                    .flat_map(|&a| [(a, Layout::OutOfPlace), (a, Layout::InPlace)]);
-                for (algorithm, layout) in variants {
-                    let outs = run(
+                let variants = Algorithm::for_kind(kind).iter().flat_map(|&a| {
+                    [Layout::OutOfPlace, Layout::InPlace]
+                        .into_iter()
+                        .flat_map(move |l| [(a, l, false), (a, l, true)])
+                });
+                for (algorithm, layout, rendezvous) in variants {
+                    let outs = run_on(
+                        &mesh(n, rendezvous),
                         algorithm,
                         kind,
                         n,
@@ -287,7 +344,7 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         assert_eq!(
                             u64s(out),
                             expected(n, count, root, r),
-                            "{kind} {algorithm} n={n} count={count} root={root} rank={r} {layout:?}"
+                            "{kind} {algorithm} n={n} count={count} root={root} rank={r} {layout:?} rendezvous={rendezvous}"
                         );
                     }
                 }
@@ -421,11 +478,10 @@ fn every_op_reduces_correctly() {
                         .to_vec()
                 })
                 .collect();
-            for (kind, algorithm) in [
-                (CollectiveKind::AllReduce, Algorithm::Ring),
-                (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling),
-                (CollectiveKind::Reduce, Algorithm::BinomialTree),
-            ] {
+            let reducing = [CollectiveKind::AllReduce, CollectiveKind::Reduce]
+                .into_iter()
+                .flat_map(|k| Algorithm::for_kind(k).iter().map(move |&a| (k, a)));
+            for (kind, algorithm) in reducing {
                 let outs = run(
                     algorithm,
                     kind,
@@ -451,24 +507,26 @@ fn every_op_reduces_correctly() {
                     .to_vec()
                 })
                 .collect();
-            let outs = run(
-                Algorithm::Ring,
-                CollectiveKind::ReduceScatter,
-                n,
-                count,
-                0,
-                op,
-                5,
-                Layout::OutOfPlace,
-                DataType::I32,
-                &rs_inputs,
-            );
-            for out in &outs {
-                assert_eq!(
-                    bytemuck::pod_collect_to_vec::<u8, i32>(out),
-                    want,
-                    "reduce-scatter {op} n={n}"
+            for &algorithm in Algorithm::for_kind(CollectiveKind::ReduceScatter) {
+                let outs = run(
+                    algorithm,
+                    CollectiveKind::ReduceScatter,
+                    n,
+                    count,
+                    0,
+                    op,
+                    5,
+                    Layout::OutOfPlace,
+                    DataType::I32,
+                    &rs_inputs,
                 );
+                for out in &outs {
+                    assert_eq!(
+                        bytemuck::pod_collect_to_vec::<u8, i32>(out),
+                        want,
+                        "reduce-scatter {algorithm} {op} n={n}"
+                    );
+                }
             }
         }
         let finputs: Vec<Vec<u8>> = (0..n)
@@ -481,7 +539,7 @@ fn every_op_reduces_correctly() {
                 .to_vec()
             })
             .collect();
-        for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+        for &algorithm in Algorithm::for_kind(CollectiveKind::AllReduce) {
             let outs = run(
                 algorithm,
                 CollectiveKind::AllReduce,
@@ -508,9 +566,92 @@ fn every_op_reduces_correctly() {
     }
 }
 
+/// Floating-point sums depend on the order of the operands; an allreduce must
+/// still leave every rank with the same bytes.
+#[test]
+fn allreduce_results_are_bitwise_identical() {
+    for n in 1..=16 {
+        let count = 97;
+        let x = |r: usize, i: usize| ((r * 7 + 1) as f32).sqrt() * 0.1 + (i as f32) / 3.0;
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| {
+                bytemuck::cast_slice(&(0..count).map(|i| x(r, i)).collect::<Vec<f32>>()).to_vec()
+            })
+            .collect();
+        for &algorithm in Algorithm::for_kind(CollectiveKind::AllReduce) {
+            for op in [ReduceOp::Sum, ReduceOp::Avg] {
+                let outs = run(
+                    algorithm,
+                    CollectiveKind::AllReduce,
+                    n,
+                    count,
+                    0,
+                    op,
+                    4,
+                    Layout::OutOfPlace,
+                    DataType::F32,
+                    &inputs,
+                );
+                let want: f32 = (0..n).map(|r| x(r, 5)).sum::<f32>()
+                    / if op == ReduceOp::Avg { n as f32 } else { 1.0 };
+                let got: Vec<f32> = bytemuck::pod_collect_to_vec(&outs[0]);
+                assert!((got[5] - want).abs() < 1e-4, "{algorithm} {op} n={n}");
+                for (r, out) in outs.iter().enumerate() {
+                    assert_eq!(out, &outs[0], "{algorithm} {op} n={n} rank {r}");
+                }
+            }
+        }
+    }
+}
+
+/// The rendezvous harness catches what it is for: two ranks that each
+/// receive into the memory they are sending wait for each other forever.
+#[test]
+fn rendezvous_links_expose_receives_that_wait_for_sends() {
+    use crate::{Action, BufId, Builder, Region};
+    let out = Region::new(BufId::Output, 0, 4);
+    let hangs = |rendezvous: bool| {
+        let links = mesh(2, rendezvous);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let all = join_all((0..2).map(|rank| {
+            let links = &links[rank];
+            async move {
+                let mut b = Builder::new();
+                b.push(Action::Send {
+                    peer: 1 - rank,
+                    src: out,
+                });
+                b.push(Action::Recv {
+                    peer: 1 - rank,
+                    dst: out,
+                });
+                let schedule = b.finish();
+                let call = Call {
+                    comm: 1,
+                    seq: 1,
+                    fingerprint: Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, 4),
+                    rank,
+                    world_size: 2,
+                    op: ReduceOp::Sum,
+                };
+                let mut buf = AlignedBuf::zeroed(32);
+                let io = IoBuffers::in_place(buf.as_mut_slice());
+                execute(&schedule, io, links, &call, &mut AlignedBuf::zeroed(0)).await
+            }
+        }));
+        rt.block_on(async { tokio::time::timeout(Duration::from_millis(300), all).await })
+            .is_err()
+    };
+    assert!(!hangs(false));
+    assert!(hangs(true));
+}
+
 #[test]
 fn mismatched_calls_are_reported() {
-    let links = mesh(2);
+    let links = mesh(2, false);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -593,7 +734,7 @@ fn bad_schedules_are_rejected_before_running() {
         .block_on(execute(
             &schedule,
             IoBuffers::in_place(&mut small),
-            &mesh(2)[0],
+            &mesh(2, false)[0],
             &call,
             &mut AlignedBuf::zeroed(0),
         ))
