@@ -4,105 +4,193 @@
 //! In round k rank v exchanges its partial result with v ^ 2^k and both
 //! reduce. Every rank combines the same operands in the same tree, and the ops
 //! are commutative, so every rank ends with bitwise the same result. When n is
-//! not a power of two, the standard fold applies: of the first 2·rem ranks
+//! not a power of two, the standard [`Fold`] applies: of the first 2·rem ranks
 //! (rem = n − 2^⌊log2 n⌋) each even rank hands its input to the odd rank after
 //! it, sits out the rounds, and gets the result back at the end.
 
+use std::ops::Range;
+
 use crate::schedule::{pieces, Action, BufId, Builder, Region, Schedule};
 
-/// Recursive-doubling allreduce of `count` elements.
-pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+/// How `n` ranks fold onto `p`, the largest power of two not above `n`: of
+/// the first `2·rem` ranks (`rem = n − p`), each even rank hands its data to
+/// the odd rank after it and sits out; the `p` survivors are numbered `0..p`
+/// (their virtual ranks) in rank order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fold {
+    /// Survivors: a power of two.
+    pub p: usize,
+    /// Ranks that sit out.
+    pub rem: usize,
+}
+
+/// What a rank does in a [`Fold`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Hands its data to `partner` and gets its result from it.
+    Idle { partner: usize },
+    /// Survivor `v`; `partner` is the rank folded onto it, if any.
+    Survivor { v: usize, partner: Option<usize> },
+}
+
+impl Fold {
+    /// The fold of `n ≥ 1` ranks.
+    pub fn new(n: usize) -> Fold {
+        let p = if n.is_power_of_two() {
+            n
+        } else {
+            n.next_power_of_two() / 2
+        };
+        Fold { p, rem: n - p }
+    }
+
+    /// What `rank` does.
+    pub fn role(&self, rank: usize) -> Role {
+        if rank >= 2 * self.rem {
+            Role::Survivor {
+                v: rank - self.rem,
+                partner: None,
+            }
+        } else if rank % 2 == 0 {
+            Role::Idle { partner: rank + 1 }
+        } else {
+            Role::Survivor {
+                v: rank / 2,
+                partner: Some(rank - 1),
+            }
+        }
+    }
+
+    /// The rank that survivor `v` is.
+    pub fn real(&self, v: usize) -> usize {
+        if v < self.rem {
+            2 * v + 1
+        } else {
+            v + self.rem
+        }
+    }
+
+    /// The ranks whose data survivor `v` carries: itself and the rank folded onto it.
+    pub fn members(&self, v: usize) -> Range<usize> {
+        if v < self.rem {
+            2 * v..2 * v + 2
+        } else {
+            v + self.rem..v + self.rem + 1
+        }
+    }
+}
+
+/// An allreduce of `count` elements around `core`, an allreduce among the
+/// survivors of the [`Fold`] of `n` ranks.
+///
+/// `core(b, fold, v, src)` builds survivor `v`'s part: its operand is `src`
+/// (the input, or the output when a folded rank's input was reduced into it)
+/// and it must leave the finished result, finalized, in the output. Ranks
+/// that sit out send their input away and receive that result.
+pub(crate) fn folded_allreduce(
+    rank: usize,
+    n: usize,
+    count: usize,
+    piece: usize,
+    core: impl FnOnce(&mut Builder, &Fold, usize, BufId),
+) -> Schedule {
     let mut b = Builder::new();
     let input = Region::new(BufId::Input, 0, count);
     let output = Region::new(BufId::Output, 0, count);
-    let p = if n.is_power_of_two() {
-        n
-    } else {
-        n.next_power_of_two() / 2
-    };
-    let rem = n - p;
-    let each = |b: &mut Builder, r: Region, f: &mut dyn FnMut(&mut Builder, Region, usize)| {
-        for (i, pc) in pieces(r, piece).into_iter().enumerate() {
-            f(b, pc, i * piece);
+    let fold = Fold::new(n);
+    match fold.role(rank) {
+        Role::Idle { partner } => {
+            b.send_pieces(partner, input, piece);
+            b.recv_pieces(partner, output, piece);
         }
-    };
-    // Fold: even ranks below 2·rem give their input away and wait for the result.
-    if rank < 2 * rem && rank % 2 == 0 {
-        each(&mut b, input, &mut |b, pc, _| {
-            b.push(Action::Send {
-                peer: rank + 1,
-                src: pc,
-            });
-        });
-        each(&mut b, output, &mut |b, pc, _| {
-            b.push(Action::Recv {
-                peer: rank + 1,
-                dst: pc,
-            });
-        });
-        return b.finish();
-    }
-    if rank < 2 * rem {
-        each(&mut b, output, &mut |b, pc, off| {
-            let local = Region::new(BufId::Input, off, pc.len);
-            b.push(Action::RecvReduce {
-                peer: rank - 1,
-                dst: pc,
-                local: Some(local),
-            });
-        });
-    } else {
-        b.push(Action::Copy {
-            src: input,
-            dst: output,
-        });
-    }
-    let v = if rank < 2 * rem { rank / 2 } else { rank - rem };
-    let real = |w: usize| if w < rem { 2 * w + 1 } else { w + rem };
-    // Partial results alternate between the output and scratch, so that a
-    // round's send and receive never touch the same memory.
-    b.scratch(count);
-    let scratch = Region::new(BufId::Scratch, 0, count);
-    let mut cur = output;
-    let mut mask = 1;
-    while mask < p {
-        let peer = real(v ^ mask);
-        let next = if cur.buf == BufId::Output {
-            scratch
-        } else {
-            output
-        };
-        let sends = pieces(cur, piece);
-        let recvs = pieces(next, piece);
-        for (s, (d, l)) in sends.iter().zip(recvs.iter().zip(pieces(cur, piece))) {
-            b.push(Action::Send { peer, src: *s });
-            b.push(Action::RecvReduce {
-                peer,
-                dst: *d,
-                local: Some(l),
-            });
+        Role::Survivor { v, partner } => {
+            let src = match partner {
+                Some(q) => {
+                    b.recv_reduce_pieces(q, output, Some(input), piece);
+                    BufId::Output
+                }
+                None => BufId::Input,
+            };
+            core(&mut b, &fold, v, src);
+            if let Some(q) = partner {
+                b.send_pieces(q, output, piece);
+            }
         }
-        cur = next;
-        mask <<= 1;
-    }
-    if cur.buf == BufId::Scratch {
-        b.push(Action::Copy {
-            src: scratch,
-            dst: output,
-        });
-    }
-    if finalize {
-        each(&mut b, output, &mut |b, pc, _| {
-            b.push(Action::Finalize { dst: pc });
-        });
-    }
-    if rank < 2 * rem {
-        each(&mut b, output, &mut |b, pc, _| {
-            b.push(Action::Send {
-                peer: rank - 1,
-                src: pc,
-            });
-        });
     }
     b.finish()
+}
+
+/// Recursive-doubling allreduce of `count` elements.
+pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+    folded_allreduce(rank, n, count, piece, |b, fold, v, src| {
+        let output = Region::new(BufId::Output, 0, count);
+        let scratch = Region::new(BufId::Scratch, 0, count);
+        // Partial results alternate between scratch and the output, so that
+        // a round's send and receive never touch the same memory.
+        let mut cur = Region::new(src, 0, count);
+        let mut mask = 1;
+        while mask < fold.p {
+            b.scratch(count);
+            let peer = fold.real(v ^ mask);
+            let next = if cur.buf == BufId::Scratch {
+                output
+            } else {
+                scratch
+            };
+            let sends = pieces(cur, piece);
+            let recvs = pieces(next, piece);
+            for (s, (d, l)) in sends.iter().zip(recvs.iter().zip(pieces(cur, piece))) {
+                b.push(Action::Send { peer, src: *s });
+                b.push(Action::RecvReduce {
+                    peer,
+                    dst: *d,
+                    local: Some(l),
+                });
+            }
+            cur = next;
+            mask <<= 1;
+        }
+        if cur != output {
+            b.push(Action::Copy {
+                src: cur,
+                dst: output,
+            });
+        }
+        if finalize {
+            b.finalize_pieces(output, piece);
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Fold, Role};
+
+    #[test]
+    fn fold_roles() {
+        let f = Fold::new(6);
+        assert_eq!((f.p, f.rem), (4, 2));
+        let roles: Vec<Role> = (0..6).map(|r| f.role(r)).collect();
+        assert_eq!(roles[0], Role::Idle { partner: 1 });
+        assert_eq!(
+            roles[3],
+            Role::Survivor {
+                v: 1,
+                partner: Some(2)
+            }
+        );
+        assert_eq!(
+            roles[5],
+            Role::Survivor {
+                v: 3,
+                partner: None
+            }
+        );
+        for v in 0..f.p {
+            assert!(f.members(v).contains(&f.real(v)));
+            assert!(matches!(f.role(f.real(v)), Role::Survivor { v: w, .. } if w == v));
+        }
+        let f = Fold::new(8);
+        assert_eq!((f.p, f.rem, f.real(5), f.members(5)), (8, 0, 5, 5..6));
+    }
 }

@@ -8,6 +8,7 @@
 mod direct;
 mod doubling;
 mod executor;
+mod halving;
 mod ring;
 pub mod schedule;
 mod spec;

@@ -187,6 +187,44 @@ impl Builder {
         (self.schedule.ops.len() - 1) as u32
     }
 
+    /// Sends `src` to `peer` in pieces of at most `piece` elements.
+    pub fn send_pieces(&mut self, peer: usize, src: Region, piece: usize) {
+        for src in pieces(src, piece) {
+            self.push(Action::Send { peer, src });
+        }
+    }
+
+    /// Receives `dst` from `peer` in pieces of at most `piece` elements.
+    pub fn recv_pieces(&mut self, peer: usize, dst: Region, piece: usize) {
+        for dst in pieces(dst, piece) {
+            self.push(Action::Recv { peer, dst });
+        }
+    }
+
+    /// Receives from `peer` and reduces in pieces of at most `piece` elements:
+    /// `dst = local ⊕ received`, where `local` (as long as `dst`) defaults to `dst`.
+    pub fn recv_reduce_pieces(
+        &mut self,
+        peer: usize,
+        dst: Region,
+        local: Option<Region>,
+        piece: usize,
+    ) {
+        debug_assert!(local.is_none_or(|l| l.len == dst.len));
+        let start = dst.offset;
+        for dst in pieces(dst, piece) {
+            let local = local.map(|l| l.sub(dst.offset - start, dst.len));
+            self.push(Action::RecvReduce { peer, dst, local });
+        }
+    }
+
+    /// Finalizes `dst` (the op's last step) in pieces of at most `piece` elements.
+    pub fn finalize_pieces(&mut self, dst: Region, piece: usize) {
+        for dst in pieces(dst, piece) {
+            self.push(Action::Finalize { dst });
+        }
+    }
+
     /// The finished schedule.
     pub fn finish(self) -> Schedule {
         self.schedule

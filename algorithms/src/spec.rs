@@ -5,14 +5,15 @@ use std::fmt;
 
 use ccl_core::CollectiveKind;
 
-use crate::{direct, doubling, ring, schedule::Schedule, tree};
+use crate::{direct, doubling, halving, ring, schedule::Schedule, tree};
 
 /// An algorithm that can build schedules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Ring: allreduce (reduce-scatter + allgather), allgather, reduce-scatter.
     Ring,
-    /// Recursive doubling: allreduce of small messages in ⌈log2 n⌉ rounds.
+    /// Recursive doubling: allreduce of small messages in ⌈log2 n⌉ rounds;
+    /// allgather in ⌈log2 n⌉ steps of doubling size.
     RecursiveDoubling,
     /// Binomial tree: broadcast, reduce.
     BinomialTree,
@@ -22,17 +23,24 @@ pub enum Algorithm {
     Linear,
     /// Dissemination: barrier.
     Dissemination,
+    /// Rabenseifner: allreduce by recursive-halving reduce-scatter, then
+    /// recursive-doubling allgather.
+    Rabenseifner,
+    /// Recursive halving: reduce-scatter in ⌈log2 n⌉ steps of halving size.
+    RecursiveHalving,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 6] = [
+    pub const ALL: [Algorithm; 8] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
         Algorithm::Pairwise,
         Algorithm::Linear,
         Algorithm::Dissemination,
+        Algorithm::Rabenseifner,
+        Algorithm::RecursiveHalving,
     ];
 
     /// Lower-case name.
@@ -44,14 +52,22 @@ impl Algorithm {
             Algorithm::Pairwise => "pairwise",
             Algorithm::Linear => "linear",
             Algorithm::Dissemination => "dissemination",
+            Algorithm::Rabenseifner => "rabenseifner",
+            Algorithm::RecursiveHalving => "rh",
         }
     }
 
-    /// The algorithms that implement `kind` (none for send/recv, which needs no schedule builder).
+    /// The algorithms that implement `kind` (none for send/recv, which needs
+    /// no schedule builder); the first is the default.
     pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
         match kind {
-            CollectiveKind::AllReduce => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
-            CollectiveKind::AllGather | CollectiveKind::ReduceScatter => &[Algorithm::Ring],
+            CollectiveKind::AllReduce => &[
+                Algorithm::Ring,
+                Algorithm::RecursiveDoubling,
+                Algorithm::Rabenseifner,
+            ],
+            CollectiveKind::AllGather => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
+            CollectiveKind::ReduceScatter => &[Algorithm::Ring, Algorithm::RecursiveHalving],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
             CollectiveKind::AllToAll => &[Algorithm::Pairwise],
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
@@ -144,9 +160,18 @@ impl Spec {
             (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
                 doubling::allreduce(r, n, c, p, finalize)
             }
+            (CollectiveKind::AllReduce, Algorithm::Rabenseifner) => {
+                halving::allreduce(r, n, c, p, finalize)
+            }
             (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
+            (CollectiveKind::AllGather, Algorithm::RecursiveDoubling) => {
+                halving::allgather(r, n, c, p)
+            }
             (CollectiveKind::ReduceScatter, Algorithm::Ring) => {
                 ring::reduce_scatter(r, n, c, p, finalize)
+            }
+            (CollectiveKind::ReduceScatter, Algorithm::RecursiveHalving) => {
+                halving::reduce_scatter(r, n, c, p, finalize)
             }
             (CollectiveKind::Broadcast, Algorithm::BinomialTree) => {
                 tree::broadcast(r, n, root, c, p)
@@ -162,5 +187,37 @@ impl Spec {
                 return Err(format!("algorithm {algorithm} does not implement {kind}"))
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_and_every_algorithm_has_a_collective() {
+        for a in Algorithm::ALL {
+            assert_eq!(a.name().parse::<Algorithm>(), Ok(a));
+            assert_eq!(a.name().to_uppercase().parse::<Algorithm>(), Ok(a));
+            assert!(
+                CollectiveKind::ALL
+                    .into_iter()
+                    .any(|k| Algorithm::for_kind(k).contains(&a)),
+                "{a}"
+            );
+        }
+        assert!("bogus".parse::<Algorithm>().is_err());
+    }
+
+    /// The first algorithm of a collective is its default; new ones go after it.
+    #[test]
+    fn defaults_stay() {
+        let first = |k| Algorithm::for_kind(k).first().copied();
+        use CollectiveKind as K;
+        assert_eq!(first(K::AllReduce), Some(Algorithm::Ring));
+        assert_eq!(first(K::AllGather), Some(Algorithm::Ring));
+        assert_eq!(first(K::ReduceScatter), Some(Algorithm::Ring));
+        assert_eq!(first(K::Broadcast), Some(Algorithm::BinomialTree));
+        assert_eq!(first(K::Reduce), Some(Algorithm::BinomialTree));
     }
 }
