@@ -5,6 +5,7 @@
 //! [`execute`] runs a schedule over any [`ccl_core::Link`]s. Algorithms know
 //! no transport; transports know no algorithm.
 
+mod chain;
 mod direct;
 mod doubling;
 mod executor;

@@ -5,7 +5,7 @@ use std::fmt;
 
 use ccl_core::CollectiveKind;
 
-use crate::{direct, doubling, halving, ring, schedule::Schedule, tree};
+use crate::{chain, direct, doubling, halving, ring, schedule::Schedule, tree};
 
 /// An algorithm that can build schedules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -28,11 +28,13 @@ pub enum Algorithm {
     Rabenseifner,
     /// Recursive halving: reduce-scatter in ⌈log2 n⌉ steps of halving size.
     RecursiveHalving,
+    /// Pipelined chain: broadcast, reduce.
+    Chain,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 8] = [
+    pub const ALL: [Algorithm; 9] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
@@ -41,6 +43,7 @@ impl Algorithm {
         Algorithm::Dissemination,
         Algorithm::Rabenseifner,
         Algorithm::RecursiveHalving,
+        Algorithm::Chain,
     ];
 
     /// Lower-case name.
@@ -54,6 +57,7 @@ impl Algorithm {
             Algorithm::Dissemination => "dissemination",
             Algorithm::Rabenseifner => "rabenseifner",
             Algorithm::RecursiveHalving => "rh",
+            Algorithm::Chain => "chain",
         }
     }
 
@@ -68,7 +72,9 @@ impl Algorithm {
             ],
             CollectiveKind::AllGather => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
             CollectiveKind::ReduceScatter => &[Algorithm::Ring, Algorithm::RecursiveHalving],
-            CollectiveKind::Broadcast | CollectiveKind::Reduce => &[Algorithm::BinomialTree],
+            CollectiveKind::Broadcast | CollectiveKind::Reduce => {
+                &[Algorithm::BinomialTree, Algorithm::Chain]
+            }
             CollectiveKind::AllToAll => &[Algorithm::Pairwise],
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
             CollectiveKind::Barrier => &[Algorithm::Dissemination],
@@ -179,6 +185,8 @@ impl Spec {
             (CollectiveKind::Reduce, Algorithm::BinomialTree) => {
                 tree::reduce(r, n, root, c, p, finalize)
             }
+            (CollectiveKind::Broadcast, Algorithm::Chain) => chain::broadcast(r, n, root, c, p),
+            (CollectiveKind::Reduce, Algorithm::Chain) => chain::reduce(r, n, root, c, p, finalize),
             (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c),
             (CollectiveKind::Gather, Algorithm::Linear) => direct::gather(r, n, root, c),
             (CollectiveKind::Scatter, Algorithm::Linear) => direct::scatter(r, n, root, c),
