@@ -6,6 +6,7 @@
 //! no transport; transports know no algorithm.
 
 mod chain;
+mod dbtree;
 mod direct;
 mod doubling;
 mod executor;

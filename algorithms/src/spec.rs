@@ -5,7 +5,7 @@ use std::fmt;
 
 use ccl_core::CollectiveKind;
 
-use crate::{chain, direct, doubling, halving, ring, schedule::Schedule, tree};
+use crate::{chain, dbtree, direct, doubling, halving, ring, schedule::Schedule, tree};
 
 /// An algorithm that can build schedules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,11 +30,13 @@ pub enum Algorithm {
     RecursiveHalving,
     /// Pipelined chain: broadcast, reduce.
     Chain,
+    /// Double binary tree (NCCL): allreduce, half the buffer through each tree.
+    DoubleBinaryTree,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 9] = [
+    pub const ALL: [Algorithm; 10] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
@@ -44,6 +46,7 @@ impl Algorithm {
         Algorithm::Rabenseifner,
         Algorithm::RecursiveHalving,
         Algorithm::Chain,
+        Algorithm::DoubleBinaryTree,
     ];
 
     /// Lower-case name.
@@ -58,6 +61,7 @@ impl Algorithm {
             Algorithm::Rabenseifner => "rabenseifner",
             Algorithm::RecursiveHalving => "rh",
             Algorithm::Chain => "chain",
+            Algorithm::DoubleBinaryTree => "dbtree",
         }
     }
 
@@ -69,6 +73,7 @@ impl Algorithm {
                 Algorithm::Ring,
                 Algorithm::RecursiveDoubling,
                 Algorithm::Rabenseifner,
+                Algorithm::DoubleBinaryTree,
             ],
             CollectiveKind::AllGather => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
             CollectiveKind::ReduceScatter => &[Algorithm::Ring, Algorithm::RecursiveHalving],
@@ -168,6 +173,9 @@ impl Spec {
             }
             (CollectiveKind::AllReduce, Algorithm::Rabenseifner) => {
                 halving::allreduce(r, n, c, p, finalize)
+            }
+            (CollectiveKind::AllReduce, Algorithm::DoubleBinaryTree) => {
+                dbtree::allreduce(r, n, c, p, finalize)
             }
             (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
             (CollectiveKind::AllGather, Algorithm::RecursiveDoubling) => {
