@@ -103,7 +103,13 @@ fn a_full_dev_shm_falls_back_to_tcp() {
 
 #[test]
 fn collectives_with_every_algorithm_forced() {
-    for (n, algo) in [(3, "ring"), (5, "ring"), (6, "rd")] {
+    for (n, algo) in [
+        (3, "ring"),
+        (5, "ring"),
+        (6, "rd"),
+        (5, "allreduce=rabenseifner,reduce-scatter=rh,allgather=rd,broadcast=chain,reduce=chain"),
+        (6, "allreduce=dbtree"),
+    ] {
         let mut e = env("60s");
         e.push(("CCL_ALGO", algo.into()));
         let out = launch(WORKER, &["collectives"], n, &e, Duration::from_secs(240));
