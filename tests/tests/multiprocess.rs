@@ -107,7 +107,10 @@ fn collectives_with_every_algorithm_forced() {
         (3, "ring"),
         (5, "ring"),
         (6, "rd"),
-        (5, "allreduce=rabenseifner,reduce-scatter=rh,allgather=rd,broadcast=chain,reduce=chain"),
+        (
+            5,
+            "allreduce=rabenseifner,reduce-scatter=rh,allgather=rd,broadcast=chain,reduce=chain",
+        ),
         (6, "allreduce=dbtree"),
     ] {
         let mut e = env("60s");
