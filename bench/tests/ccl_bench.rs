@@ -393,10 +393,14 @@ fn reports_are_written_and_well_formed() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v = read_json(&json);
     let rows = v["rows"].as_array().unwrap();
-    // 1K, 4K, 16K, 64K, 256K, each with ring and rd.
-    assert_eq!(rows.len(), 10, "{rows:?}");
+    // 1K, 4K, 16K, 64K, 256K, each with every allreduce algorithm in turn.
+    let every: Vec<&str> = ccl_algorithms::Algorithm::for_kind(ccl::CollectiveKind::AllReduce)
+        .iter()
+        .map(|a| a.name())
+        .collect();
+    assert_eq!(rows.len(), 5 * every.len(), "{rows:?}");
     let algos: Vec<&str> = rows.iter().map(|r| r["algo"].as_str().unwrap()).collect();
-    assert_eq!(&algos[..2], ["ring", "rd"]);
+    assert_eq!(algos[..every.len()], every[..]);
     for r in rows {
         assert!(r["time_us"].as_f64().unwrap() > 0.0);
         assert!(r["busbw_gbps"].as_f64().unwrap() > 0.0);
@@ -417,7 +421,7 @@ fn reports_are_written_and_well_formed() {
 
     let csv = std::fs::read_to_string(&csv).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
-    assert_eq!(lines.len(), 11, "{csv}");
+    assert_eq!(lines.len(), 1 + rows.len(), "{csv}");
     let cols = lines[0].split(',').count();
     assert!(lines[0].starts_with("collective,ranks,"));
     for l in &lines[1..] {
