@@ -14,6 +14,9 @@ struct State<T> {
     result: Option<Result<T>>,
     done: bool,
     waker: Option<Waker>,
+    /// Threads blocked in `wait`: only then is the condition variable
+    /// signalled (a signal costs a system call even when nobody waits).
+    sleepers: usize,
 }
 
 struct Shared<T> {
@@ -53,6 +56,7 @@ pub fn work_pair<T>() -> (Work<T>, Completer<T>) {
             result: None,
             done: false,
             waker: None,
+            sleepers: 0,
         }),
         cond: Condvar::new(),
     });
@@ -74,13 +78,15 @@ impl<T> Completer<T> {
 
     fn finish(&mut self, result: Result<T>) {
         if let Some(shared) = self.shared.take() {
-            let waker = {
+            let (waker, sleepers) = {
                 let mut st = shared.lock();
                 st.result = Some(result);
                 st.done = true;
-                st.waker.take()
+                (st.waker.take(), st.sleepers)
             };
-            shared.cond.notify_all();
+            if sleepers > 0 {
+                shared.cond.notify_all();
+            }
             if let Some(w) = waker {
                 w.wake();
             }
@@ -115,7 +121,9 @@ impl<T> Work<T> {
     pub fn wait(self) -> Result<T> {
         let mut st = self.shared.lock();
         while !st.done {
+            st.sleepers += 1;
             st = self.shared.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+            st.sleepers -= 1;
         }
         take(&mut st)
     }
@@ -130,12 +138,14 @@ impl<T> Work<T> {
             if left.is_zero() {
                 return None;
             }
+            st.sleepers += 1;
             st = self
                 .shared
                 .cond
                 .wait_timeout(st, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
+            st.sleepers -= 1;
         }
         Some(take(&mut st))
     }
