@@ -125,6 +125,7 @@ impl Options {
                 Spin {
                     window: config.spin.unwrap_or(DEFAULT_SPIN),
                     yield_between: config.local_world_size > cores,
+                    repoll: false,
                 }
             },
             transport: config.transport,
@@ -362,7 +363,11 @@ impl Communicator {
         } else {
             vec![None]
         };
-        let engine = Engine::start(rank, runtime, links, scoped, options.spin)?;
+        let spin = Spin {
+            repoll: world_size > 1 && nshm == world_size - 1,
+            ..options.spin
+        };
+        let engine = Engine::start(rank, runtime, links, scoped, spin)?;
         Ok(Communicator {
             rank,
             world_size,

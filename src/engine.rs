@@ -37,7 +37,7 @@ use std::{
 };
 
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
-use ccl_core::{AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
+use ccl_core::{poll_repolling, AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
 /// How long aborting may spend telling the peers.
@@ -81,6 +81,21 @@ impl<F: Future + Unpin> Future for Polling<F> {
             self.until = Instant::now() + self.spin.window;
         }
         self.self_woken = false;
+        if self.spin.repoll {
+            // Links in memory need no runtime to make progress: poll again
+            // at once, a few times, before the trip through the runtime.
+            for _ in 0..REPOLLS {
+                let inner = &mut self.inner;
+                if let Poll::Ready(v) = poll_repolling(|| Pin::new(inner).poll(cx)) {
+                    return Poll::Ready(v);
+                }
+                if self.spin.yield_between {
+                    thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
         match Pin::new(&mut self.inner).poll(cx) {
             Poll::Ready(v) => Poll::Ready(v),
             Poll::Pending => {
@@ -96,6 +111,10 @@ impl<F: Future + Unpin> Future for Polling<F> {
         }
     }
 }
+
+/// How often [`Polling`] polls a future again at once (links in memory only)
+/// before it goes through the runtime, which checks sockets and timers.
+const REPOLLS: usize = 32;
 
 /// One call, ready to run.
 pub(crate) struct Job {

@@ -12,21 +12,25 @@
 
 use std::{
     collections::BTreeMap,
-    future::Future,
+    future::{poll_fn, Future},
     marker::PhantomData,
     pin::pin,
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
     },
+    task::Poll,
     time::Duration,
 };
 
 use ccl_core::{
-    op, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp, Reduction, Result,
+    op, repolling, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp,
+    Reduction, Result,
 };
-use futures::future::{join_all, select, Either};
-use tokio::sync::Notify;
+use futures::{
+    future::{select, Either},
+    task::AtomicWaker,
+};
 
 /// How long sends already writing may go on after another op failed.
 pub const SEND_DRAIN: Duration = Duration::from_secs(1);
@@ -185,7 +189,9 @@ struct Exec<'a> {
     call: &'a Call,
     mem: Memory<'a>,
     done: Vec<AtomicBool>,
-    progress: Notify,
+    /// The task that runs every queue (all queues run in one task, so one
+    /// waker is enough), woken when an op finishes or fails.
+    progress: AtomicWaker,
     /// The first error; once set, every queue stops.
     failure: Mutex<Option<Error>>,
     failed: AtomicBool,
@@ -210,16 +216,24 @@ fn queue_of(a: &Action) -> Queue {
 impl Exec<'_> {
     /// Waits until `ready()` or a failure; true if ready.
     async fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
-        loop {
-            let mut notified = pin!(self.progress.notified());
-            notified.as_mut().enable();
+        poll_fn(|cx| {
             if self.failed.load(Ordering::Acquire) {
-                return false;
+                return Poll::Ready(false);
             }
             if ready() {
-                return true;
+                return Poll::Ready(true);
             }
-            notified.await;
+            self.progress.register(cx.waker());
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Lets waiting queues look again. A thread that polls again at once
+    /// anyway ([`repolling`]) needs no wake-up, which would cost system calls.
+    fn notify(&self) {
+        if !repolling() {
+            self.progress.wake();
         }
     }
 
@@ -229,7 +243,7 @@ impl Exec<'_> {
             *first = Some(e);
         }
         self.failed.store(true, Ordering::Release);
-        self.progress.notify_waiters();
+        self.progress.wake();
     }
 
     /// Runs `f` unless a failure happens first.
@@ -274,7 +288,7 @@ impl Exec<'_> {
                 return self.fail(e);
             }
             self.done[i].store(true, Ordering::Release);
-            self.progress.notify_waiters();
+            self.notify();
         }
     }
 
@@ -382,11 +396,33 @@ pub async fn execute(
         done: (0..schedule.ops.len())
             .map(|_| AtomicBool::new(false))
             .collect(),
-        progress: Notify::new(),
+        progress: AtomicWaker::new(),
         failure: Mutex::new(None),
         failed: AtomicBool::new(false),
     };
-    let all = join_all(queues.values().map(|q| exec.run_queue(q)));
+    // Every queue is polled on every wake-up of the one task (not only the
+    // queue that was woken, as `join_all` does past 30 futures): a queue may
+    // wait on another's progress, and `progress` holds a single waker.
+    let mut running: Vec<_> = queues
+        .values()
+        .map(|q| Some(Box::pin(exec.run_queue(q))))
+        .collect();
+    let all = poll_fn(|cx| {
+        let mut pending = false;
+        for slot in running.iter_mut() {
+            if let Some(queue) = slot {
+                match queue.as_mut().poll(cx) {
+                    Poll::Ready(()) => *slot = None,
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    });
     let drain = async {
         exec.wait_until(|| false).await;
         tokio::time::sleep(SEND_DRAIN).await;

@@ -1,6 +1,6 @@
 //! The `Link` trait: a reliable, ordered, framed channel to one peer.
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::{cell::Cell, future::Future, pin::Pin, time::Duration};
 
 use crate::{op, AbortNotice, AlignedBuf, DataType, FrameHeader, ReduceOp, Result};
 
@@ -11,6 +11,35 @@ pub struct Spin {
     pub window: Duration,
     /// Yield the core between polls, for when the ranks outnumber the cores.
     pub yield_between: bool,
+    /// Poll again at once, without the runtime, while spinning: for when
+    /// every link lives in memory and needs no socket readiness.
+    pub repoll: bool,
+}
+
+thread_local! {
+    static REPOLLING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// True while the thread polling a link future will poll it again at once,
+/// without a trip through the runtime (see [`poll_repolling`]). A link that
+/// waits on memory may then return `Pending` in its spin window without
+/// arranging a wake-up, which saves two system calls per poll.
+pub fn repolling() -> bool {
+    REPOLLING.with(Cell::get)
+}
+
+/// Runs `poll` with [`repolling`] true. The caller must poll once more with it
+/// false before it lets the task sleep, so that every waiter registers a wake-up.
+pub fn poll_repolling<R>(poll: impl FnOnce() -> R) -> R {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            REPOLLING.with(|r| r.set(false));
+        }
+    }
+    REPOLLING.with(|r| r.set(true));
+    let _reset = Reset;
+    poll()
 }
 
 /// A boxed future returned by [`Link`] methods.

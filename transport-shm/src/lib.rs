@@ -58,6 +58,7 @@ impl Default for ShmOptions {
             spin: Spin {
                 window: Duration::from_micros(50),
                 yield_between: false,
+                repoll: false,
             },
         }
     }

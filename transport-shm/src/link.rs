@@ -272,6 +272,9 @@ impl ShmLink {
             if self.word(self.other(), CLOSED).load(Ordering::Acquire) != 0 {
                 return Poll::Ready(Err(self.lost("it closed the shared-memory link")));
             }
+            if ccl_core::repolling() {
+                return Poll::Pending;
+            }
             if started.elapsed() < self.spin.window {
                 if self.spin.yield_between {
                     std::thread::yield_now();

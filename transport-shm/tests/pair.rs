@@ -23,6 +23,7 @@ fn opts(bytes: usize, spin_us: u64) -> ShmOptions {
         spin: Spin {
             window: Duration::from_micros(spin_us),
             yield_between: false,
+            repoll: false,
         },
         ..ShmOptions::default()
     }
