@@ -68,6 +68,9 @@ pub struct Config {
     /// `CCL_HOST_ID`: ranks with equal values count as one host (default: the
     /// hostname, boot id and namespaces of the process).
     pub host_id: Option<String>,
+    /// `CCL_JOB_SECRET`: the job's shared secret; every store and link
+    /// connection proves it (HMAC challenge-response). `None`: unauthenticated.
+    pub job_secret: Option<crate::JobSecret>,
 }
 
 /// Which transport links use (`CCL_TRANSPORT`).
@@ -248,6 +251,10 @@ impl Config {
                 .unwrap_or_default(),
             shm_bytes,
             host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
+            job_secret: var("CCL_JOB_SECRET")
+                .filter(|s| !s.is_empty())
+                .map(crate::JobSecret::new)
+                .transpose()?,
         })
     }
 }
@@ -320,10 +327,16 @@ mod tests {
             (Launcher::None, 1, Rendezvous::Local)
         );
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(c.job_secret, None);
+        let c = cfg(&[("CCL_JOB_SECRET", "s3cret")]).unwrap();
+        assert_eq!(c.job_secret, Some(crate::JobSecret::new("s3cret").unwrap()));
+        assert!(!format!("{c:?}").contains("s3cret"));
+        assert_eq!(cfg(&[("CCL_JOB_SECRET", "")]).unwrap().job_secret, None);
     }
 
     #[test]
     fn bad_values_are_clear_errors() {
+        let long = "x".repeat(5000);
         for bad in [
             vec![
                 ("RANK", "4"),
@@ -342,6 +355,7 @@ mod tests {
             vec![("CCL_TIMEOUT", "soon")],
             vec![("CCL_NSOCKS", "0")],
             vec![("CCL_SPIN_US", "-5")],
+            vec![("CCL_JOB_SECRET", long.as_str())],
         ] {
             let e = cfg(&bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");

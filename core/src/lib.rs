@@ -5,6 +5,7 @@
 //! implement, the [`Work`] handle, rendezvous [`store`]s, [`Error`], and
 //! [`Config`] read from the environment. It depends on no other ccl crate.
 
+pub mod auth;
 mod buf;
 pub mod config;
 mod dtype;
@@ -15,6 +16,7 @@ pub mod op;
 pub mod store;
 mod work;
 
+pub use auth::JobSecret;
 pub use buf::AlignedBuf;
 pub use config::{Config, Launcher, Rendezvous, TransportChoice};
 pub use dtype::{DataType, Element};

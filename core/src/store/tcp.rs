@@ -8,7 +8,10 @@
 //! passes. A client keeps one connection behind a mutex, so its requests are
 //! serialized; every socket read and write has a timeout.
 //!
-//! Wire protocol (integers big-endian). Each side first sends an 8-byte
+//! Wire protocol (integers big-endian). The server first authenticates the
+//! client and itself with the job secret, or says the job has none
+//! ([`crate::auth`]: challenge, response, proof); a client that fails is
+//! dropped and logged with its address. Then each side sends an 8-byte
 //! greeting, [`MAGIC`] then the `u32` protocol version; anything else is
 //! dropped. Then the client sends requests, an op byte followed by fields,
 //! and the server answers each with a status byte followed by fields. Byte
@@ -41,7 +44,10 @@ use std::{
 };
 
 use super::{hash::parse_counter, Store};
-use crate::{Error, Result};
+use crate::{
+    auth::{self, Acceptor, Answer, JobSecret},
+    Error, Result,
+};
 
 /// First four bytes each side sends.
 const MAGIC: [u8; 4] = *b"CCLs";
@@ -59,8 +65,8 @@ const MAX_WAIT_BYTES: usize = 64 << 20;
 /// Longest wait the server honours; longer ones are cut to this.
 const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// How long the server gives a new connection to greet it.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the server gives a new connection to authenticate and greet it.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long the server blocks writing a reply to a client that does not read.
 const SERVER_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Extra time a client gives the server to answer a `wait` after its deadline.
@@ -303,6 +309,8 @@ struct Shared {
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, ConnEntry>>,
     local: SocketAddr,
+    /// The job secret clients must prove (`None`: unauthenticated).
+    secret: Option<JobSecret>,
 }
 
 impl Shared {
@@ -454,7 +462,20 @@ fn listen_on(addr: SocketAddr) -> io::Result<TcpListener> {
 impl TcpStoreServer {
     /// Binds `addr` (e.g. `0.0.0.0:29500`, `[::]:0`, `127.0.0.1:0`) and serves
     /// in background threads until dropped. `[::]` also accepts IPv4.
+    /// Unauthenticated: any client that speaks the protocol is served.
     pub fn bind(addr: SocketAddr) -> Result<TcpStoreServer> {
+        TcpStoreServer::bind_with_secret(addr, None)
+    }
+
+    /// [`TcpStoreServer::bind`], serving only clients that prove `secret`
+    /// (and proving it to them); `None` serves anyone.
+    pub fn bind_with_secret(
+        addr: SocketAddr,
+        secret: Option<&JobSecret>,
+    ) -> Result<TcpStoreServer> {
+        if secret.is_none() {
+            auth::warn_unauthenticated();
+        }
         let listener =
             listen_on(addr).map_err(|e| Error::io(format!("store server: binding {addr}"), e))?;
         let local = listener
@@ -469,6 +490,7 @@ impl TcpStoreServer {
             stop: AtomicBool::new(false),
             conns: Mutex::default(),
             local,
+            secret: secret.cloned(),
         });
         let sh = shared.clone();
         let accept = thread::Builder::new()
@@ -600,11 +622,49 @@ fn send(r: &BufReader<TcpStream>, bytes: &[u8]) -> io::Result<()> {
     s.write_all(bytes)
 }
 
+/// The server's side of the authentication: challenge, and with a secret,
+/// check the client's response and prove the secret in turn.
+fn authenticate_client(shared: &Shared, r: &mut BufReader<TcpStream>) -> Wire<()> {
+    let acceptor = Acceptor::new(shared.secret.as_ref(), auth::STORE_CONTEXT)
+        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    send(r, &acceptor.challenge())?;
+    if !acceptor.expects_response() {
+        return Ok(());
+    }
+    let unauthenticated = |why: String| WireError::Malformed(format!("not authenticated: {why}"));
+    let head: [u8; auth::MAGIC_LEN] = read_array(r).map_err(|e| match e {
+        WireError::Io(e) => unauthenticated(format!("no response to the challenge ({e})")),
+        e => e,
+    })?;
+    if head != auth::RESPONSE_MAGIC {
+        return Err(unauthenticated(format!(
+            "sent {head:02x?} instead of a response to the challenge (no CCL_JOB_SECRET, or not ccl)"
+        )));
+    }
+    let mut response = [0u8; auth::RESPONSE_LEN];
+    response[..auth::MAGIC_LEN].copy_from_slice(&head);
+    r.read_exact(&mut response[auth::MAGIC_LEN..])
+        .map_err(|e| unauthenticated(format!("truncated response ({e})")))?;
+    match acceptor.check(&response) {
+        Ok(proof) => {
+            send(r, &proof)?;
+            Ok(())
+        }
+        Err((e, refusal)) => {
+            if let Some(refusal) = refusal {
+                let _ = send(r, &refusal);
+            }
+            Err(unauthenticated(e.to_string()))
+        }
+    }
+}
+
 fn serve_requests(shared: &Shared, stream: TcpStream) -> Wire<()> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
     stream.set_write_timeout(Some(SERVER_WRITE_TIMEOUT))?;
     let mut r = BufReader::with_capacity(64 << 10, stream);
+    authenticate_client(shared, &mut r)?;
     let hello: [u8; 8] = read_array(&mut r).map_err(|e| match e {
         WireError::Io(e) => WireError::Malformed(format!("no greeting: {e}")),
         e => e,
@@ -650,11 +710,12 @@ enum ConnectError {
     Fatal(String),
 }
 
-/// One connection attempt to `addr`: TCP connect and greetings.
+/// One connection attempt to `addr`: TCP connect, authentication and greetings.
 fn open_conn(
     addr: SocketAddr,
     timeout: Duration,
     op_timeout: Duration,
+    secret: Option<&JobSecret>,
 ) -> std::result::Result<Conn, ConnectError> {
     let retry = |e: io::Error| ConnectError::Retry(format!("{addr}: {e}"));
     let timeout = timeout.max(MIN_ATTEMPT);
@@ -668,8 +729,9 @@ fn open_conn(
     s.set_nodelay(true).map_err(retry)?;
     s.set_read_timeout(Some(timeout)).map_err(retry)?;
     s.set_write_timeout(Some(timeout)).map_err(retry)?;
-    (&s).write_all(&greeting()).map_err(retry)?;
     let mut r = BufReader::new(s);
+    authenticate_server(addr, &mut r, secret)?;
+    r.get_mut().write_all(&greeting()).map_err(retry)?;
     let hello: [u8; 8] =
         read_array(&mut r).map_err(|e| ConnectError::Retry(format!("{addr}: no greeting: {e}")))?;
     if hello[..4] != MAGIC {
@@ -692,6 +754,44 @@ fn open_conn(
     })
 }
 
+/// The client's side of the authentication (see [`crate::auth`]).
+fn authenticate_server(
+    addr: SocketAddr,
+    r: &mut BufReader<TcpStream>,
+    secret: Option<&JobSecret>,
+) -> std::result::Result<(), ConnectError> {
+    let mut challenge = [0u8; auth::CHALLENGE_LEN];
+    r.read_exact(&mut challenge[..auth::MAGIC_LEN])
+        .map_err(|e| ConnectError::Retry(format!("{addr}: no challenge: {e}")))?;
+    if !auth::is_challenge_magic(&challenge) {
+        return Err(ConnectError::Fatal(format!(
+            "{addr} is not a ccl store server (greeting {:02x?})",
+            &challenge[..auth::MAGIC_LEN]
+        )));
+    }
+    r.read_exact(&mut challenge[auth::MAGIC_LEN..])
+        .map_err(|e| ConnectError::Retry(format!("{addr}: truncated challenge: {e}")))?;
+    let fatal = |e: auth::AuthError| {
+        ConnectError::Fatal(format!("{addr}: authentication with the store failed: {e}"))
+    };
+    match auth::answer(secret, auth::STORE_CONTEXT, &challenge).map_err(fatal)? {
+        Answer::Open => Ok(()),
+        Answer::Respond { response, pending } => {
+            r.get_mut()
+                .write_all(&response)
+                .map_err(|e| ConnectError::Retry(format!("{addr}: sending the response: {e}")))?;
+            let mut proof = [0u8; auth::PROOF_LEN];
+            r.read_exact(&mut proof).map_err(|e| {
+                ConnectError::Fatal(format!(
+                    "{addr}: the store closed the connection during authentication ({e}): \
+                     does it use another CCL_JOB_SECRET?"
+                ))
+            })?;
+            pending.verify(&proof).map_err(fatal)
+        }
+    }
+}
+
 /// A client of a [`TcpStoreServer`]. `Send + Sync`: share it between threads;
 /// their requests take turns on its one connection.
 ///
@@ -705,6 +805,8 @@ pub struct TcpStore {
     op_timeout: Duration,
     /// The server, when this client serves it (rank 0). Dropped after `conn`.
     server: Option<TcpStoreServer>,
+    /// The job secret, proved on every (re)connection.
+    secret: Option<JobSecret>,
 }
 
 impl fmt::Debug for TcpStore {
@@ -723,10 +825,25 @@ impl TcpStore {
     /// address (IPv6 with or without brackets). Requests then time out after
     /// `timeout` (at least 5 s) without an answer; `wait` after its own
     /// timeout plus a margin.
+    /// Unauthenticated: see [`TcpStore::connect_with_secret`].
     pub fn connect(host: &str, port: u16, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::connect_with_secret(host, port, timeout, None)
+    }
+
+    /// [`TcpStore::connect`] to a server that requires `secret` (`None`: to
+    /// one that requires none); each side proves the secret to the other.
+    pub fn connect_with_secret(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<TcpStore> {
+        if secret.is_none() {
+            auth::warn_unauthenticated();
+        }
         let h = unbracketed(host);
         let desc = format!("tcp://{}:{port}", bracketed(h));
-        connect_with(desc, timeout, || {
+        connect_with(desc, timeout, secret, || {
             (h, port).to_socket_addrs().map(Iterator::collect)
         })
     }
@@ -736,6 +853,16 @@ impl TcpStore {
     /// it alive inside the returned client, and connects to it over
     /// loopback. Port 0 picks a free port (see [`TcpStore::server_addr`]).
     pub fn serve(host: &str, port: u16, timeout: Duration) -> Result<TcpStore> {
+        TcpStore::serve_with_secret(host, port, timeout, None)
+    }
+
+    /// [`TcpStore::serve`] with a server that requires `secret` of its clients.
+    pub fn serve_with_secret(
+        host: &str,
+        port: u16,
+        timeout: Duration,
+        secret: Option<&JobSecret>,
+    ) -> Result<TcpStore> {
         let h = unbracketed(host);
         let v6 = match h.parse::<IpAddr>() {
             Ok(ip) => ip.is_ipv6(),
@@ -750,14 +877,14 @@ impl TcpStore {
         } else {
             (Ipv4Addr::UNSPECIFIED, port).into()
         };
-        let server = TcpStoreServer::bind(bind)?;
+        let server = TcpStoreServer::bind_with_secret(bind, secret)?;
         let port = server.local_addr().port();
         let mut targets = vec![loopback_of(server.local_addr())];
         if v6 {
             targets.push((Ipv4Addr::LOCALHOST, port).into());
         }
         let desc = format!("tcp://{}:{port}", bracketed(h));
-        let mut store = connect_with(desc, timeout, || Ok(targets.clone()))?;
+        let mut store = connect_with(desc, timeout, secret, || Ok(targets.clone()))?;
         store.server = Some(server);
         Ok(store)
     }
@@ -785,6 +912,7 @@ impl TcpStore {
                 self.addr,
                 self.op_timeout.min(CONNECT_ATTEMPT),
                 self.op_timeout,
+                self.secret.as_ref(),
             )
             .map_err(|e| {
                 let (ConnectError::Retry(m) | ConnectError::Fatal(m)) = e;
@@ -881,6 +1009,7 @@ impl TcpStore {
 fn connect_with(
     desc: String,
     timeout: Duration,
+    secret: Option<&JobSecret>,
     resolve: impl Fn() -> io::Result<Vec<SocketAddr>>,
 ) -> Result<TcpStore> {
     let start = Instant::now();
@@ -897,7 +1026,7 @@ fn connect_with(
         match resolve() {
             Ok(addrs) => {
                 for addr in addrs {
-                    match open_conn(addr, left(), op_timeout) {
+                    match open_conn(addr, left(), op_timeout, secret) {
                         Ok(conn) => {
                             tracing::debug!(
                                 "store {desc}: connected to {addr} after {:?}",
@@ -909,6 +1038,7 @@ fn connect_with(
                                 desc,
                                 op_timeout,
                                 server: None,
+                                secret: secret.cloned(),
                             });
                         }
                         Err(ConnectError::Fatal(msg)) => {
@@ -1300,10 +1430,17 @@ mod tests {
         };
         let raw = || TcpStream::connect(addr).unwrap();
 
+        // Without a secret the server opens with a challenge that asks for none.
+        let open = auth::Challenge {
+            required: false,
+            nonce: [0; auth::NONCE_LEN],
+        }
+        .encode();
+
         // Speaks HTTP.
         let mut s = raw();
         s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        assert!(expect_closed(s).is_empty());
+        assert_eq!(expect_closed(s), open);
 
         // Random garbage.
         use rand::RngCore;
@@ -1317,7 +1454,7 @@ mod tests {
         let mut s = raw();
         s.write_all(&[&MAGIC[..], &99u32.to_be_bytes()].concat())
             .unwrap();
-        assert_eq!(expect_closed(s), greeting());
+        assert_eq!(expect_closed(s), [&open[..], &greeting()].concat());
 
         // Valid greeting, then absurd lengths, unknown ops, bad flags, bad UTF-8.
         let bad_requests: Vec<Vec<u8>> = vec![
@@ -1345,7 +1482,7 @@ mod tests {
             let mut s = raw();
             s.write_all(&[&greeting()[..], &req].concat()).unwrap();
             s.shutdown(Shutdown::Write).unwrap();
-            assert_eq!(expect_closed(s), greeting());
+            assert_eq!(expect_closed(s), [&open[..], &greeting()].concat());
         }
 
         // A good request on a raw connection works.
@@ -1356,7 +1493,14 @@ mod tests {
         let reply = expect_closed(s);
         assert_eq!(
             reply,
-            [&greeting()[..], &[status::OK], &1u32.to_be_bytes(), b"v"].concat()
+            [
+                &open[..],
+                &greeting(),
+                &[status::OK],
+                &1u32.to_be_bytes(),
+                b"v"
+            ]
+            .concat()
         );
 
         // The well-behaved client never noticed.
@@ -1376,6 +1520,115 @@ mod tests {
         let e = TcpStore::connect("127.0.0.1", port, T).unwrap_err();
         assert!(
             matches!(e, Error::Store { ref msg, .. } if msg.contains("not a ccl store server")),
+            "{e}"
+        );
+        t.join().unwrap();
+    }
+
+    fn secret(s: &str) -> JobSecret {
+        JobSecret::new(s).unwrap()
+    }
+
+    #[test]
+    fn with_a_secret_only_the_job_gets_in() {
+        let job = secret("the job's secret");
+        let server =
+            TcpStoreServer::bind_with_secret("127.0.0.1:0".parse().unwrap(), Some(&job)).unwrap();
+        let addr = server.local_addr();
+        let good = TcpStore::connect_with_secret("127.0.0.1", addr.port(), T, Some(&job)).unwrap();
+        good.set("k", b"v").unwrap();
+
+        // A silent stranger holds a connection open meanwhile.
+        let silent = TcpStream::connect(addr).unwrap();
+
+        // Wrong secret, no secret: refused at once with a clear error.
+        let start = Instant::now();
+        let e = TcpStore::connect_with_secret("127.0.0.1", addr.port(), T, Some(&secret("guess")))
+            .unwrap_err();
+        assert!(e.to_string().contains("CCL_JOB_SECRET differs"), "{e}");
+        let e = TcpStore::connect("127.0.0.1", addr.port(), T).unwrap_err();
+        assert!(e.to_string().contains("requires a job secret"), "{e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+
+        // Raw strangers: a well-formed greeting and request without the
+        // secret, garbage, and a forged response. Each gets the challenge
+        // (and a refusal for the forged response), then the server hangs up.
+        let expect_closed = |mut s: TcpStream| {
+            s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut buf = Vec::new();
+            match s.read_to_end(&mut buf) {
+                Ok(_) => {}
+                Err(e) => assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}"),
+            }
+            buf
+        };
+        let strangers: Vec<Vec<u8>> = vec![
+            [&greeting()[..], &[op::GET], &1u32.to_be_bytes(), b"k"].concat(),
+            vec![0xa5; 1000],
+            auth::Response {
+                mac: [0; auth::MAC_LEN],
+                nonce: [1; auth::NONCE_LEN],
+            }
+            .encode()
+            .to_vec(),
+        ];
+        for bytes in strangers {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let _ = s.write_all(&bytes);
+            let got = expect_closed(s);
+            let challenge = auth::Challenge::decode(&got[..auth::CHALLENGE_LEN]).unwrap();
+            assert!(challenge.required);
+            // Nothing of the store leaks: no greeting, no value.
+            assert!(!got.windows(4).any(|w| w == MAGIC), "{got:02x?}");
+            assert!(got.len() <= auth::CHALLENGE_LEN + auth::PROOF_LEN);
+        }
+
+        // The job never noticed.
+        assert_eq!(good.try_get("k").unwrap().unwrap(), b"v");
+        let again = TcpStore::connect_with_secret("127.0.0.1", addr.port(), T, Some(&job)).unwrap();
+        assert_eq!(again.add("n", 1).unwrap(), 1);
+        drop(silent);
+    }
+
+    #[test]
+    fn a_client_with_a_secret_refuses_an_open_server() {
+        let server = local_server();
+        let port = server.local_addr().port();
+        let e =
+            TcpStore::connect_with_secret("127.0.0.1", port, T, Some(&secret("s"))).unwrap_err();
+        assert!(e.to_string().contains("runs without a job secret"), "{e}");
+    }
+
+    #[test]
+    fn a_client_refuses_a_server_that_cannot_prove_the_secret() {
+        // A fake server: challenges, then answers any response with a proof
+        // it cannot have computed.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let t = thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let c = auth::Challenge {
+                required: true,
+                nonce: [3; auth::NONCE_LEN],
+            };
+            s.write_all(&c.encode()).unwrap();
+            let mut r = [0u8; auth::RESPONSE_LEN];
+            s.read_exact(&mut r).unwrap();
+            let p = auth::Proof {
+                accepted: true,
+                mac: [4; auth::MAC_LEN],
+            };
+            let _ = s.write_all(&p.encode());
+            thread::sleep(Duration::from_millis(200));
+        });
+        let e =
+            TcpStore::connect_with_secret("127.0.0.1", port, T, Some(&secret("s"))).unwrap_err();
+        assert!(
+            e.to_string().contains("could not prove the job secret"),
             "{e}"
         );
         t.join().unwrap();
