@@ -4,9 +4,11 @@
 //! (a full mesh): each rank binds a listener, publishes its address in the
 //! rendezvous [`Store`](ccl_core::Store) under `addr/{rank}`, and then the
 //! higher rank of every pair connects to the lower one, `nsocks` sockets per
-//! pair. Every new socket starts with a small handshake (magic, version,
-//! communicator id, ranks, socket index) so that strangers and connections of
-//! other communicators are turned away without disturbing the job.
+//! pair. Every new socket starts with the job-secret challenge-response
+//! ([`ccl_core::auth`]; the acceptor challenges, both sides prove the secret)
+//! and then a small handshake (magic, version, communicator id, ranks, socket
+//! index), so that strangers and connections of other communicators are turned
+//! away, and logged with their address, without disturbing the job.
 //!
 //! A link sends a message as a [`FrameHeader`](ccl_core::FrameHeader) and its
 //! payload. Small messages go on socket 0 in one write; messages of
@@ -28,6 +30,8 @@ use std::{
 
 pub use link::{REDUCE_PIECE, STRIPE_MIN};
 pub use mesh::connect_mesh;
+#[doc(hidden)]
+pub use mesh::fuzz_decode as fuzz_decode_handshake;
 
 /// How to build TCP links.
 #[derive(Clone, Debug)]
@@ -42,6 +46,9 @@ pub struct TcpOptions {
     pub local_ip: Option<IpAddr>,
     /// Deadline for the whole mesh set-up (store rendezvous and connections).
     pub timeout: Duration,
+    /// The job secret (`CCL_JOB_SECRET`) every socket proves, both ways,
+    /// before anything else; `None`: unauthenticated (logged once).
+    pub secret: Option<ccl_core::JobSecret>,
 }
 
 impl Default for TcpOptions {
@@ -51,6 +58,7 @@ impl Default for TcpOptions {
             interface: None,
             local_ip: None,
             timeout: Duration::from_secs(60),
+            secret: None,
         }
     }
 }

@@ -7,7 +7,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{Error, Link, Result, Store};
+use ccl_core::{
+    auth::{self, Acceptor, Answer, AuthError, JobSecret},
+    Error, Link, Result, Store,
+};
 use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::{
@@ -19,7 +22,7 @@ use crate::{link::TcpLink, TcpOptions};
 
 /// Send and receive buffer size of every socket.
 const SOCKET_BUFFER: usize = 4 << 20;
-/// How long an accepted connection has to send its hello.
+/// How long an accepted connection has to authenticate and send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 const HELLO_MAGIC: [u8; 4] = *b"CCLH";
 const HELLO_VERSION: u32 = 1;
@@ -57,16 +60,26 @@ impl Hello {
         b
     }
 
-    /// `None` unless the bytes start with the magic.
-    fn decode(b: &[u8; HELLO_LEN]) -> Option<Hello> {
+    /// Decodes exactly [`HELLO_LEN`] bytes starting with the magic; anything
+    /// else is an error (never a panic). Values are checked by the caller.
+    fn decode(b: &[u8]) -> std::result::Result<Hello, String> {
+        if b.len() != HELLO_LEN {
+            return Err(format!(
+                "handshake of {} bytes, expected {HELLO_LEN}",
+                b.len()
+            ));
+        }
         if b[0..4] != HELLO_MAGIC {
-            return None;
+            return Err(format!(
+                "not a ccl handshake (first bytes {:02x?})",
+                &b[0..4]
+            ));
         }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let mut comm = [0u8; 8];
         comm.copy_from_slice(&b[8..16]);
-        Some(Hello {
+        Ok(Hello {
             version: u32_at(4),
             comm: u64::from_le_bytes(comm),
             from: u32_at(16),
@@ -77,11 +90,21 @@ impl Hello {
     }
 }
 
+/// Decodes a hello from arbitrary bytes (for fuzzing).
+#[doc(hidden)]
+pub fn fuzz_decode(bytes: &[u8]) -> std::result::Result<(), String> {
+    Hello::decode(bytes).map(|_| ())
+}
+
 /// Sockets connected so far, per peer and socket index.
 struct Progress {
     socks: Vec<Vec<Option<TcpStream>>>,
     /// Why the last connection attempt to a lower rank failed.
     last_error: Vec<Option<String>>,
+    /// Connections refused for failing authentication, and the last one's
+    /// address and reason (named if the set-up times out).
+    refused: usize,
+    last_refused: Option<String>,
 }
 
 fn lock(p: &Mutex<Progress>) -> MutexGuard<'_, Progress> {
@@ -122,6 +145,9 @@ pub async fn connect_mesh(
     }
     if world_size == 1 {
         return Ok(vec![None]);
+    }
+    if opts.secret.is_none() {
+        auth::warn_unauthenticated();
     }
     let nsocks = opts.nsocks;
 
@@ -178,6 +204,8 @@ pub async fn connect_mesh(
             .map(|_| (0..nsocks).map(|_| None).collect())
             .collect(),
         last_error: vec![None; world_size],
+        refused: 0,
+        last_refused: None,
     });
     let shared = Shared {
         rank,
@@ -185,6 +213,8 @@ pub async fn connect_mesh(
         comm: comm_id,
         nsocks,
         progress: &progress,
+        secret: opts.secret.as_ref(),
+        context: auth::link_context(comm_id),
     };
     let both = async { tokio::try_join!(shared.accept_all(listener), shared.connect_all(&peers)) };
     let left = deadline.saturating_duration_since(Instant::now());
@@ -318,6 +348,70 @@ struct Shared<'a> {
     comm: u64,
     nsocks: usize,
     progress: &'a Mutex<Progress>,
+    /// The job secret every socket proves, both ways (`None`: unauthenticated).
+    secret: Option<&'a JobSecret>,
+    /// What the proofs are bound to: the links of this communicator.
+    context: Vec<u8>,
+}
+
+/// Why an accepted connection was dropped before its hello was checked.
+enum Dropped {
+    /// It failed authentication (counted and named on a set-up timeout).
+    Unauthenticated(String),
+    /// It sent no (complete) handshake.
+    NoHandshake(String),
+}
+
+/// The acceptor's side of a new socket: challenge, with a secret check the
+/// response and prove the secret in turn, then read the hello.
+async fn accept_handshake(
+    stream: &mut TcpStream,
+    secret: Option<&JobSecret>,
+    context: &[u8],
+) -> std::result::Result<[u8; HELLO_LEN], Dropped> {
+    let io = |what: &str, e: std::io::Error| Dropped::NoHandshake(format!("{what} ({e})"));
+    let acceptor =
+        Acceptor::new(secret, context).map_err(|e| Dropped::NoHandshake(e.to_string()))?;
+    stream
+        .write_all(&acceptor.challenge())
+        .await
+        .map_err(|e| io("sending the challenge", e))?;
+    if acceptor.expects_response() {
+        let unauth = |m: String| Dropped::Unauthenticated(format!("not authenticated: {m}"));
+        let mut response = [0u8; auth::RESPONSE_LEN];
+        stream
+            .read_exact(&mut response[..auth::MAGIC_LEN])
+            .await
+            .map_err(|e| unauth(format!("no response to the challenge ({e})")))?;
+        if response[..auth::MAGIC_LEN] != auth::RESPONSE_MAGIC {
+            return Err(unauth(format!(
+                "sent {:02x?} instead of a response to the challenge (no CCL_JOB_SECRET, or not ccl)",
+                &response[..auth::MAGIC_LEN]
+            )));
+        }
+        stream
+            .read_exact(&mut response[auth::MAGIC_LEN..])
+            .await
+            .map_err(|e| unauth(format!("truncated response ({e})")))?;
+        match acceptor.check(&response) {
+            Ok(proof) => stream
+                .write_all(&proof)
+                .await
+                .map_err(|e| io("sending the proof", e))?,
+            Err((e, refusal)) => {
+                if let Some(refusal) = refusal {
+                    let _ = stream.write_all(&refusal).await;
+                }
+                return Err(unauth(e.to_string()));
+            }
+        }
+    }
+    let mut hello = [0u8; HELLO_LEN];
+    stream
+        .read_exact(&mut hello)
+        .await
+        .map_err(|e| io("no handshake", e))?;
+    Ok(hello)
 }
 
 impl Shared<'_> {
@@ -330,12 +424,18 @@ impl Shared<'_> {
         while expected > 0 {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
-                    Ok((stream, from)) => hellos.push(async move {
-                        let mut buf = [0u8; HELLO_LEN];
-                        let mut stream = stream;
-                        let r = tokio::time::timeout(HELLO_TIMEOUT, stream.read_exact(&mut buf)).await;
-                        (stream, from, r.map(|r| r.map(|_| buf)))
-                    }),
+                    Ok((stream, from)) => {
+                        let (secret, context) = (self.secret, &self.context[..]);
+                        hellos.push(async move {
+                            let mut stream = stream;
+                            let r = tokio::time::timeout(
+                                HELLO_TIMEOUT,
+                                accept_handshake(&mut stream, secret, context),
+                            )
+                            .await;
+                            (stream, from, r)
+                        })
+                    }
                     Err(e) => {
                         tracing::warn!(rank = self.rank, "accepting a connection failed: {e}");
                         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -344,8 +444,15 @@ impl Shared<'_> {
                 Some((stream, from, read)) = hellos.next(), if !hellos.is_empty() => {
                     let bytes = match read {
                         Ok(Ok(b)) => b,
-                        Ok(Err(e)) => {
-                            tracing::warn!(rank = self.rank, "dropping connection from {from}: no handshake ({e})");
+                        Ok(Err(Dropped::Unauthenticated(why))) => {
+                            tracing::warn!(rank = self.rank, "dropping connection from {from}: {why}");
+                            let mut p = lock(self.progress);
+                            p.refused += 1;
+                            p.last_refused = Some(format!("{from}: {why}"));
+                            continue;
+                        }
+                        Ok(Err(Dropped::NoHandshake(why))) => {
+                            tracing::warn!(rank = self.rank, "dropping connection from {from}: {why}");
                             continue;
                         }
                         Err(_) => {
@@ -371,12 +478,12 @@ impl Shared<'_> {
 
     /// Checks a hello; replies and keeps the socket if it is wanted.
     fn admit(&self, stream: TcpStream, from: SocketAddr, bytes: &[u8; HELLO_LEN]) -> bool {
-        let Some(h) = Hello::decode(bytes) else {
-            tracing::warn!(
-                rank = self.rank,
-                "dropping connection from {from}: not a ccl handshake"
-            );
-            return false;
+        let h = match Hello::decode(bytes) {
+            Ok(h) => h,
+            Err(why) => {
+                tracing::warn!(rank = self.rank, "dropping connection from {from}: {why}");
+                return false;
+            }
         };
         let me = self.rank;
         let reject = |code: u8, why: String| {
@@ -483,18 +590,19 @@ impl Shared<'_> {
             index: index as u16,
             nsocks: self.nsocks as u16,
         };
-        let mut ack = [0u8; 1];
-        let exchanged = async {
-            stream.write_all(&hello.encode()).await?;
-            stream.read_exact(&mut ack).await
-        }
-        .await;
         let fail = |msg: String| Error::Protocol {
             rank: self.rank,
             peer,
             call: CONTEXT.into(),
             msg,
         };
+        self.authenticate(&mut stream, peer, addr).await?;
+        let mut ack = [0u8; 1];
+        let exchanged = async {
+            stream.write_all(&hello.encode()).await?;
+            stream.read_exact(&mut ack).await
+        }
+        .await;
         if let Err(e) = exchanged {
             return Err(fail(format!(
                 "handshake with {addr} failed ({e}): is that rank still there, in this job?"
@@ -533,6 +641,50 @@ impl Shared<'_> {
         Ok(())
     }
 
+    /// The connector's side of the authentication on a new socket to `peer`.
+    async fn authenticate(
+        &self,
+        stream: &mut TcpStream,
+        peer: usize,
+        addr: SocketAddr,
+    ) -> Result<()> {
+        let fail = |msg: String| Error::Protocol {
+            rank: self.rank,
+            peer,
+            call: CONTEXT.into(),
+            msg,
+        };
+        let refused = |e: AuthError| {
+            Error::Config(format!(
+                "rank {}: authenticating with rank {peer} at {addr} failed: {e}",
+                self.rank
+            ))
+        };
+        let mut challenge = [0u8; auth::CHALLENGE_LEN];
+        stream.read_exact(&mut challenge).await.map_err(|e| {
+            fail(format!(
+                "no authentication challenge from {addr} ({e}): is that rank still there, in this job?"
+            ))
+        })?;
+        match auth::answer(self.secret, &self.context, &challenge) {
+            Ok(Answer::Open) => Ok(()),
+            Ok(Answer::Respond { response, pending }) => {
+                let mut proof = [0u8; auth::PROOF_LEN];
+                let exchanged = async {
+                    stream.write_all(&response).await?;
+                    stream.read_exact(&mut proof).await
+                }
+                .await;
+                if let Err(e) = exchanged {
+                    return Err(refused_io(self.rank, peer, addr, e));
+                }
+                pending.verify(&proof).map_err(refused)
+            }
+            Err(e @ AuthError::NotCcl(_)) => Err(fail(format!("{addr}: {e}"))),
+            Err(e) => Err(refused(e)),
+        }
+    }
+
     /// The set-up deadline passed: name the ranks that are not connected.
     fn timeout_error(&self, peers: &[SocketAddr], after: Duration) -> Error {
         let progress = lock(self.progress);
@@ -554,12 +706,30 @@ impl Shared<'_> {
                 ),
             };
         }
+        if progress.refused > 0 {
+            let _ = write!(
+                detail,
+                "; refused {} connection(s) that failed authentication, the last from {} \
+                 (do all ranks have the same CCL_JOB_SECRET?)",
+                progress.refused,
+                progress.last_refused.as_deref().unwrap_or("?")
+            );
+        }
         Error::Timeout {
             context: format!("rank {}: {CONTEXT}", self.rank),
             what: format!("TCP connections with ranks {missing:?}{detail}"),
             after,
         }
     }
+}
+
+/// The acceptor closed the socket during authentication: it refused this
+/// rank's proof without saying so, or is gone.
+fn refused_io(rank: usize, peer: usize, addr: SocketAddr, e: std::io::Error) -> Error {
+    Error::Config(format!(
+        "rank {rank}: rank {peer} at {addr} closed the connection during authentication ({e}): \
+         does it use another CCL_JOB_SECRET?"
+    ))
 }
 
 /// A socket with large buffers connected to `addr`.
@@ -588,8 +758,10 @@ mod tests {
             index: 2,
             nsocks: 4,
         };
-        assert_eq!(Hello::decode(&h.encode()), Some(h));
-        assert_eq!(Hello::decode(&[0xff; HELLO_LEN]), None);
+        assert_eq!(Hello::decode(&h.encode()), Ok(h));
+        assert!(Hello::decode(&[0xff; HELLO_LEN]).is_err());
+        assert!(Hello::decode(&h.encode()[..10]).is_err());
+        assert!(fuzz_decode(&[]).is_err());
     }
 
     #[test]

@@ -29,6 +29,7 @@ fn opts(nsocks: usize) -> TcpOptions {
         interface: None,
         local_ip: None,
         timeout: Duration::from_secs(10),
+        secret: None,
     }
 }
 
@@ -439,6 +440,14 @@ fn strangers_do_not_break_the_mesh() {
         other
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
+        // Without a secret the acceptor opens with a challenge asking for none.
+        let mut challenge = [0u8; ccl_core::auth::CHALLENGE_LEN];
+        other.read_exact(&mut challenge).unwrap();
+        assert!(
+            !ccl_core::auth::Challenge::decode(&challenge)
+                .unwrap()
+                .required
+        );
         let mut reply = [0u8; 1];
         other.read_exact(&mut reply).unwrap();
         assert_ne!(
