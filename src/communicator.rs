@@ -55,6 +55,9 @@ pub struct Options {
     pub shm_bytes: usize,
     /// Ranks with equal host ids may share memory (`None`: detected).
     pub host_id: Option<String>,
+    /// The job secret (`CCL_JOB_SECRET`): TCP links prove it to each other
+    /// and it goes into the communicator id. `None`: unauthenticated.
+    pub secret: Option<ccl_core::JobSecret>,
 }
 
 impl Default for Options {
@@ -69,6 +72,7 @@ impl Default for Options {
             transport: TransportChoice::Auto,
             shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
             host_id: None,
+            secret: None,
         }
     }
 }
@@ -131,6 +135,7 @@ impl Options {
             transport: config.transport,
             shm_bytes: config.shm_bytes,
             host_id: config.host_id.clone(),
+            secret: config.job_secret.clone(),
         }
     }
 }
@@ -208,11 +213,21 @@ fn connect_shared_memory(
     Ok(links)
 }
 
-/// A stable 64-bit hash (FNV-1a) of a communicator's store prefix: its id on the wire.
-fn comm_id(prefix: &str) -> u64 {
-    prefix.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+/// A communicator's id on the wire: a stable 64-bit hash (FNV-1a) of its
+/// store prefix, mixed with a tag of the job secret so that two jobs differ.
+fn comm_id(prefix: &str, secret: Option<&ccl_core::JobSecret>) -> u64 {
+    let id = prefix.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
         (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    });
+    match secret {
+        Some(s) => {
+            let tag = s.tag(prefix.as_bytes());
+            id ^ u64::from_le_bytes([
+                tag[0], tag[1], tag[2], tag[3], tag[4], tag[5], tag[6], tag[7],
+            ])
+        }
+        None => id,
+    }
 }
 
 /// What a cached schedule depends on besides the communicator: kind, algorithm, count, root, finalize.
@@ -279,11 +294,19 @@ impl Communicator {
         crate::init_tracing(config.debug.as_deref());
         let store: Arc<dyn Store> = match &config.rendezvous {
             Rendezvous::Tcp { host, port } if config.rank == 0 => {
-                Arc::new(TcpStore::serve(host, *port, config.timeout)?)
+                Arc::new(TcpStore::serve_with_secret(
+                    host,
+                    *port,
+                    config.timeout,
+                    config.job_secret.as_ref(),
+                )?)
             }
-            Rendezvous::Tcp { host, port } => {
-                Arc::new(TcpStore::connect(host, *port, config.timeout)?)
-            }
+            Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect_with_secret(
+                host,
+                *port,
+                config.timeout,
+                config.job_secret.as_ref(),
+            )?),
             Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
             Rendezvous::Local => Arc::new(HashStore::new()),
         };
@@ -328,7 +351,7 @@ impl Communicator {
             .transpose()?
             .unwrap_or_default();
         let started = Instant::now();
-        let comm = comm_id(&prefix);
+        let comm = comm_id(&prefix, options.secret.as_ref());
         let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(store.clone(), prefix.clone()));
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -339,6 +362,7 @@ impl Communicator {
             interface: options.interface.clone(),
             local_ip: options.local_ip,
             timeout: options.timeout,
+            secret: options.secret.clone(),
         };
         let mut nshm = 0;
         let links = if world_size > 1 {
