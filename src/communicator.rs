@@ -17,7 +17,10 @@ use ccl_core::{
 };
 use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
 
-use crate::engine::{Engine, Job};
+use crate::{
+    board::{self, BoardCall},
+    engine::{Engine, Job, Plan},
+};
 
 /// Largest piece one send or receive moves; larger buffers are pipelined in pieces.
 const PIECE_BYTES: usize = 512 * 1024;
@@ -80,6 +83,15 @@ impl Default for Options {
 /// Polling window (`CCL_SPIN_US` overrides).
 const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
+/// Whether `algo` can run `kind` (the board where the call fits it; see
+/// [`Communicator::algorithm_for`]).
+fn implements(algo: Algorithm, kind: CollectiveKind) -> bool {
+    match algo {
+        Algorithm::Board => kind != CollectiveKind::SendRecv,
+        _ => Algorithm::for_kind(kind).contains(&algo),
+    }
+}
+
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
 fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
@@ -90,7 +102,7 @@ fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
             Some((kind, algo)) => {
                 let kind: CollectiveKind = kind.trim().parse().map_err(bad)?;
                 let algo: Algorithm = algo.trim().parse().map_err(bad)?;
-                if !Algorithm::for_kind(kind).contains(&algo) {
+                if !implements(algo, kind) {
                     return Err(bad(format!("{algo} does not implement {kind}")));
                 }
                 map.insert(kind, algo);
@@ -99,7 +111,7 @@ fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
                 let algo: Algorithm = part.parse().map_err(bad)?;
                 let kinds: Vec<CollectiveKind> = CollectiveKind::ALL
                     .into_iter()
-                    .filter(|k| Algorithm::for_kind(*k).contains(&algo))
+                    .filter(|&k| implements(algo, k))
                     .collect();
                 if kinds.is_empty() {
                     return Err(bad(format!("{algo} implements no collective")));
@@ -211,6 +223,38 @@ fn connect_shared_memory(
         }
     }
     Ok(links)
+}
+
+/// The board of a communicator whose ranks all share this host, or `None`
+/// (logged once) if some rank cannot map it.
+fn connect_board(
+    rank: usize,
+    world_size: usize,
+    comm: u64,
+    store: &dyn Store,
+    options: &Options,
+) -> Result<Option<ccl_transport_shm::Board>> {
+    let board = ccl_transport_shm::connect_board(
+        rank,
+        world_size,
+        comm,
+        store,
+        std::path::Path::new(ccl_transport_shm::SHM_DIR),
+        options.timeout,
+        options.spin,
+    )?;
+    Ok(match board {
+        Ok(b) => Some(b),
+        Err(why) => {
+            if !SHM_FALLBACK_LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    rank,
+                    "shared-memory board unavailable, small collectives use the links: {why}"
+                );
+            }
+            None
+        }
+    })
 }
 
 /// A communicator's id on the wire: a stable 64-bit hash (FNV-1a) of its
@@ -391,7 +435,12 @@ impl Communicator {
             repoll: world_size > 1 && nshm == world_size - 1,
             ..options.spin
         };
-        let engine = Engine::start(rank, runtime, links, scoped, spin)?;
+        let board = if spin.repoll {
+            connect_board(rank, world_size, comm, &*scoped, &options)?
+        } else {
+            None
+        };
+        let engine = Engine::start(rank, runtime, links, scoped, spin, board)?;
         Ok(Communicator {
             rank,
             world_size,
@@ -487,8 +536,15 @@ impl Communicator {
     /// `CCL_ALGO` override if any, else recursive doubling for small allreduces
     /// and the one algorithm of every other collective.
     pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
-        if let Some(&a) = self.algo.get(&kind) {
-            return a;
+        let board = self.engine().has_board()
+            && kind != CollectiveKind::SendRecv
+            && board::fits(kind, count, dtype, self.world_size);
+        match self.algo.get(&kind) {
+            Some(Algorithm::Board) if board => return Algorithm::Board,
+            Some(Algorithm::Board) => {}
+            Some(&a) => return a,
+            None if board => return Algorithm::Board,
+            None => {}
         }
         match kind {
             CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
@@ -545,9 +601,19 @@ impl Communicator {
         done: Box<dyn FnOnce(Result<()>) + Send>,
         inline: bool,
     ) {
-        let schedule = match self.schedule(&req) {
-            Ok(s) => s,
-            Err(e) => return done(Err(e)),
+        let plan = if self.algorithm_for(req.kind, req.count, req.dtype) == Algorithm::Board {
+            Plan::Board(BoardCall {
+                kind: req.kind,
+                dtype: req.dtype,
+                count: req.count,
+                op: req.op,
+                root: req.root,
+            })
+        } else {
+            match self.schedule(&req) {
+                Ok(s) => Plan::Schedule(s),
+                Err(e) => return done(Err(e)),
+            }
         };
         let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
@@ -563,7 +629,7 @@ impl Communicator {
         // the job is queued (or, inline, runs).
         self.engine().submit(
             Job {
-                schedule,
+                plan,
                 call,
                 io,
                 deadline: self.options.timeout,
@@ -609,7 +675,7 @@ impl Communicator {
         };
         self.engine().submit(
             Job {
-                schedule,
+                plan: Plan::Schedule(schedule),
                 call,
                 io,
                 deadline: self.options.timeout,

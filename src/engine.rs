@@ -37,6 +37,9 @@ use std::{
 };
 
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
+use ccl_transport_shm::Board;
+
+use crate::board::BoardCall;
 use ccl_core::{poll_repolling, AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
@@ -116,9 +119,17 @@ impl<F: Future + Unpin> Future for Polling<F> {
 /// before it goes through the runtime, which checks sockets and timers.
 const REPOLLS: usize = 32;
 
+/// How a job runs.
+pub(crate) enum Plan {
+    /// A schedule, run by the executor over the links.
+    Schedule(Arc<Schedule>),
+    /// A small collective on the shared-memory board, run by the driving thread.
+    Board(BoardCall),
+}
+
 /// One call, ready to run.
 pub(crate) struct Job {
-    pub schedule: Arc<Schedule>,
+    pub plan: Plan,
     pub call: Call,
     pub io: IoBuffers<'static>,
     pub deadline: Duration,
@@ -155,6 +166,8 @@ struct Shared {
     scratch: Mutex<AlignedBuf>,
     /// How the driving thread polls before it sleeps.
     spin: Spin,
+    /// The board, when every rank runs on this host.
+    board: Option<Arc<Board>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,9 +196,16 @@ impl Shared {
             return self.fail_broken(job);
         }
         let rank = self.rank;
+        let schedule = match &job.plan {
+            Plan::Schedule(s) => s,
+            Plan::Board(b) => {
+                let result = self.run_board(b, &job);
+                return self.finish(job.done, result).await;
+            }
+        };
         let result = match tokio::time::timeout(
             job.deadline,
-            execute(&job.schedule, job.io, &self.links, &job.call, scratch),
+            execute(schedule, job.io, &self.links, &job.call, scratch),
         )
         .await
         {
@@ -196,6 +216,24 @@ impl Shared {
                 after: job.deadline,
             }),
         };
+        self.finish(job.done, result).await;
+    }
+
+    fn run_board(&self, call: &BoardCall, job: &Job) -> Result<()> {
+        match &self.board {
+            Some(board) => call.run(board, &job.call, &job.io, job.deadline),
+            None => Err(Error::Internal(format!(
+                "rank {}: {} planned on a board this communicator lacks",
+                self.rank,
+                job.call.name()
+            ))),
+        }
+    }
+
+    /// Hands `result` to `done`; a failure first breaks the communicator
+    /// (recorded in the store, every peer told).
+    async fn finish(&self, done: Box<dyn FnOnce(Result<()>) + Send>, result: Result<()>) {
+        let rank = self.rank;
         let result = match result {
             Err(e) => Err(self.attribute(e).await),
             ok => ok,
@@ -214,7 +252,7 @@ impl Shared {
                 self.abort_links(e).await;
             }
         }
-        (job.done)(result);
+        done(result);
     }
 
     /// Records the first failure of the communicator in the store, or, if
@@ -263,6 +301,9 @@ impl Shared {
             failed_rank: cause.failed_rank().unwrap_or(self.rank) as u32,
             reason: cause.to_string(),
         };
+        if let Some(board) = &self.board {
+            board.abort();
+        }
         let all = futures::future::join_all(self.links.iter().flatten().map(|l| l.abort(&notice)));
         let _ = tokio::time::timeout(ABORT_NOTICE_DEADLINE, all).await;
     }
@@ -301,6 +342,7 @@ impl Engine {
         links: Vec<Option<Arc<dyn Link>>>,
         store: Arc<dyn Store>,
         spin: Spin,
+        board: Option<Board>,
     ) -> Result<Engine> {
         let shared = Arc::new(Shared {
             rank,
@@ -314,6 +356,7 @@ impl Engine {
             transfers_done: Notify::new(),
             scratch: Mutex::new(AlignedBuf::zeroed(0)),
             spin,
+            board: board.map(Arc::new),
         });
         let runtime = Arc::new(runtime);
         let (state, rt) = (shared.clone(), runtime.clone());
@@ -351,23 +394,42 @@ impl Engine {
         };
         match job {
             Some(job) => {
+                if let Plan::Board(b) = &job.plan {
+                    // No runtime on the way, unless the call fails.
+                    match self.shared.run_board(b, &job) {
+                        Ok(()) => (job.done)(Ok(())),
+                        Err(e) => self.runtime.block_on(self.shared.finish(job.done, Err(e))),
+                    }
+                    return self.stop_driving();
+                }
                 let mut scratch = lock(&self.shared.scratch);
                 {
                     let run = std::pin::pin!(self.shared.run(job, &mut scratch));
                     self.runtime.block_on(Polling::new(run, self.shared.spin));
                 }
                 drop(scratch);
-                let mut q = lock(&self.shared.queue);
-                q.driving = false;
-                if !q.jobs.is_empty() {
-                    self.shared.wake_thread.notify_one();
-                }
+                self.stop_driving();
             }
             None => {
                 self.shared.wake_thread.notify_one();
                 self.shared.wake_task.notify_one();
             }
         }
+    }
+
+    /// Gives up driving after an inline job; wakes the progress thread if
+    /// work was queued meanwhile.
+    fn stop_driving(&self) {
+        let mut q = lock(&self.shared.queue);
+        q.driving = false;
+        if !q.jobs.is_empty() {
+            self.shared.wake_thread.notify_one();
+        }
+    }
+
+    /// Whether small collectives can run on the shared-memory board.
+    pub fn has_board(&self) -> bool {
+        self.shared.board.is_some()
     }
 
     /// The error that broke the communicator, if any.

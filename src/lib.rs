@@ -14,6 +14,7 @@
 //! # Ok::<(), ccl::Error>(())
 //! ```
 
+mod board;
 mod communicator;
 mod engine;
 

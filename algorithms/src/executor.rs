@@ -126,6 +126,14 @@ impl<'a> IoBuffers<'a> {
     }
 }
 
+impl IoBuffers<'_> {
+    /// The input (address and length) and the output (address and length),
+    /// for code that runs a call without a schedule.
+    pub fn raw_parts(&self) -> ((*const u8, usize), (*mut u8, usize)) {
+        ((self.input, self.input_len), (self.output, self.output_len))
+    }
+}
+
 /// Resolved memory of an execution: input, output and scratch.
 struct Memory<'a> {
     io: IoBuffers<'a>,

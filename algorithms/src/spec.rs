@@ -32,11 +32,15 @@ pub enum Algorithm {
     Chain,
     /// Double binary tree (NCCL): allreduce, half the buffer through each tree.
     DoubleBinaryTree,
+    /// Shared-memory board, when every rank runs on one host: each rank posts
+    /// its buffer once and reads the others' (small messages of every
+    /// collective but send/recv). Not a schedule: the facade runs it.
+    Board,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 10] = [
+    pub const ALL: [Algorithm; 11] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
@@ -47,6 +51,7 @@ impl Algorithm {
         Algorithm::RecursiveHalving,
         Algorithm::Chain,
         Algorithm::DoubleBinaryTree,
+        Algorithm::Board,
     ];
 
     /// Lower-case name.
@@ -62,11 +67,13 @@ impl Algorithm {
             Algorithm::RecursiveHalving => "rh",
             Algorithm::Chain => "chain",
             Algorithm::DoubleBinaryTree => "dbtree",
+            Algorithm::Board => "board",
         }
     }
 
-    /// The algorithms that implement `kind` (none for send/recv, which needs
-    /// no schedule builder); the first is the default.
+    /// The schedule algorithms that implement `kind` (none for send/recv,
+    /// which needs no schedule builder); the first is the default.
+    /// [`Algorithm::Board`] is not among them: it needs a board.
     pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
         match kind {
             CollectiveKind::AllReduce => &[
@@ -216,9 +223,10 @@ mod tests {
             assert_eq!(a.name().parse::<Algorithm>(), Ok(a));
             assert_eq!(a.name().to_uppercase().parse::<Algorithm>(), Ok(a));
             assert!(
-                CollectiveKind::ALL
-                    .into_iter()
-                    .any(|k| Algorithm::for_kind(k).contains(&a)),
+                a == Algorithm::Board
+                    || CollectiveKind::ALL
+                        .into_iter()
+                        .any(|k| Algorithm::for_kind(k).contains(&a)),
                 "{a}"
             );
         }

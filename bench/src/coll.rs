@@ -115,9 +115,14 @@ impl Coll {
         }
     }
 
-    /// The algorithms ccl has for this collective (none to choose for sendrecv).
-    pub fn algorithms(self) -> &'static [Algorithm] {
-        Algorithm::for_kind(self.kind())
+    /// The algorithms ccl has for this collective (none to choose for
+    /// sendrecv): its schedules, then the shared-memory board, which runs
+    /// only where every rank shares the host and the message fits it (the
+    /// table names what ran instead otherwise).
+    pub fn algorithms(self) -> Vec<Algorithm> {
+        let schedules = Algorithm::for_kind(self.kind());
+        let board = (!schedules.is_empty()).then_some(Algorithm::Board);
+        schedules.iter().copied().chain(board).collect()
     }
 }
 

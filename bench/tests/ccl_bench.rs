@@ -393,10 +393,12 @@ fn reports_are_written_and_well_formed() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let v = read_json(&json);
     let rows = v["rows"].as_array().unwrap();
-    // 1K, 4K, 16K, 64K, 256K, each with every allreduce algorithm in turn.
+    // 1K, 4K, 16K, 64K, 256K, each with every allreduce algorithm in turn:
+    // the schedules, then the board (two local ranks share memory).
     let every: Vec<&str> = ccl_algorithms::Algorithm::for_kind(ccl::CollectiveKind::AllReduce)
         .iter()
         .map(|a| a.name())
+        .chain(["board"])
         .collect();
     assert_eq!(rows.len(), 5 * every.len(), "{rows:?}");
     let algos: Vec<&str> = rows.iter().map(|r| r["algo"].as_str().unwrap()).collect();

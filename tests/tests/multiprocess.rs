@@ -183,12 +183,19 @@ fn mismatched_counts_fail_on_every_rank() {
 
 #[test]
 fn a_dead_rank_is_named_by_every_survivor() {
-    for (n, victim, transport) in [(2, 1, "shm"), (4, 2, "auto"), (5, 0, "tcp"), (3, 0, "shm")] {
+    for (n, victim, transport, size) in [
+        (2, 1, "shm", "large"),
+        (4, 2, "auto", "large"),
+        (5, 0, "tcp", "large"),
+        (3, 0, "shm", "large"),
+        (3, 1, "shm", "small"),
+        (4, 0, "auto", "small"),
+    ] {
         let mut e = env("30s");
         e.push(("CCL_TRANSPORT", transport.into()));
         let out = launch(
             WORKER,
-            &["die", &victim.to_string()],
+            &["die", &victim.to_string(), size],
             n,
             &e,
             Duration::from_secs(60),

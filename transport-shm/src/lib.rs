@@ -14,6 +14,7 @@
 //! one) is reported for that pair, the same on both sides, so that the caller
 //! can fall back to another transport.
 
+mod board;
 mod doorbell;
 mod link;
 mod segment;
@@ -30,11 +31,15 @@ use std::{
 use ccl_core::{Error, Link, Result, Spin, Store};
 use nix::{sys::uio::RemoteIoVec, unistd::Pid};
 
+pub use board::{connect_board, Board, Round, BOARD_SLOT_BYTES};
 pub use link::REF_MIN;
 
 use doorbell::{Bell, Doorbell};
 use link::{ShmLink, CMA_OK, CONTROL};
 use segment::Segment;
+
+/// Where segments live.
+pub const SHM_DIR: &str = "/dev/shm";
 
 /// How shared-memory links are set up.
 #[derive(Clone, Debug)]
@@ -53,7 +58,7 @@ impl Default for ShmOptions {
     fn default() -> ShmOptions {
         ShmOptions {
             bytes: ccl_core::config::DEFAULT_SHM_BYTES,
-            dir: PathBuf::from("/dev/shm"),
+            dir: PathBuf::from(SHM_DIR),
             timeout: ccl_core::config::DEFAULT_TIMEOUT,
             spin: Spin {
                 window: Duration::from_micros(50),
@@ -128,7 +133,7 @@ impl Offer {
 }
 
 /// Segments created by this process so far (part of their names).
-static SEGMENTS: AtomicU64 = AtomicU64::new(0);
+pub(crate) static SEGMENTS: AtomicU64 = AtomicU64::new(0);
 
 /// Logs the first refusal of cross-memory attach in this process.
 static CMA_REFUSED: AtomicBool = AtomicBool::new(false);

@@ -671,7 +671,16 @@ fn main() {
             let victim: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(0);
             // Warm up so that everything is connected, then the victim dies mid-collective.
             ck.ok("warm-up", comm.barrier());
-            let w = comm.iallreduce(vec![1.0f32; 16 << 20], ReduceOp::Sum);
+            // "small": a message the shared-memory board carries, which the
+            // victim never joins (its part would be posted at once); else a
+            // large one, which the victim leaves halfway.
+            let small = args.get(3).map(String::as_str) == Some("small");
+            if small && comm.rank() == victim {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                exit(7);
+            }
+            let len = if small { 2 } else { 16 << 20 };
+            let w = comm.iallreduce(vec![1.0f32; len], ReduceOp::Sum);
             if comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(20));
                 exit(7);

@@ -1,0 +1,221 @@
+//! Small collectives on the shared-memory board, when every rank of a
+//! communicator runs on this host: each rank posts its payload once, reads
+//! what the others posted, and computes its result locally. Every rank
+//! reduces in rank order, so all of them get the same bits.
+//!
+//! This runs on the caller's thread, without the executor or the runtime:
+//! at a few bytes the bookkeeping of a schedule costs more than the data.
+
+use std::time::Duration;
+
+use ccl_algorithms::{Call, IoBuffers};
+use ccl_core::{op, CollectiveKind, DataType, Error, FrameHeader, ReduceOp, Result};
+use ccl_transport_shm::Board;
+
+/// Largest buffer a collective sends through the board (for allgather and
+/// gather: the whole output).
+pub(crate) const BOARD_MAX_BYTES: usize = ccl_transport_shm::BOARD_SLOT_BYTES;
+
+/// The arguments of one board call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BoardCall {
+    pub kind: CollectiveKind,
+    pub dtype: DataType,
+    pub count: usize,
+    pub op: ReduceOp,
+    pub root: usize,
+}
+
+/// Whether a call of `kind` on `count` elements of `dtype` (counted as the
+/// collective counts them) over `n` ranks goes through the board.
+pub(crate) fn fits(kind: CollectiveKind, count: usize, dtype: DataType, n: usize) -> bool {
+    let bytes = count * dtype.size();
+    match kind {
+        CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::Broadcast => {
+            bytes <= BOARD_MAX_BYTES
+        }
+        CollectiveKind::AllGather
+        | CollectiveKind::Gather
+        | CollectiveKind::ReduceScatter
+        | CollectiveKind::Scatter
+        | CollectiveKind::AllToAll => bytes * n <= BOARD_MAX_BYTES,
+        CollectiveKind::Barrier => true,
+        CollectiveKind::SendRecv => false,
+    }
+}
+
+impl BoardCall {
+    /// Runs the call on `board` for `call`, reading `io`'s input and writing
+    /// its output, within `timeout`.
+    pub(crate) fn run(
+        &self,
+        board: &Board,
+        call: &Call,
+        io: &IoBuffers<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.exchange(board, call, io, timeout)
+            .map_err(|e| e.in_call(&call.name()))
+    }
+
+    fn exchange(
+        &self,
+        board: &Board,
+        call: &Call,
+        io: &IoBuffers<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let (n, me) = (call.world_size, call.rank);
+        let es = self.dtype.size();
+        let part = self.count * es;
+        let (input, output) = io.raw_parts();
+        let header = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
+        let round = board.begin(header, timeout)?;
+        // SAFETY: the engine hands this call its buffers alone; the input is
+        // read in full (posted) before anything writes the output, which may
+        // overlap it for in-place calls.
+        let input = unsafe { slice(input.0, input.1) };
+        let is_root = me == self.root;
+        // What each rank posts, and how many bytes it reads from each rank.
+        let posts = |r: usize| -> usize {
+            match self.kind {
+                CollectiveKind::AllReduce | CollectiveKind::Reduce => part,
+                CollectiveKind::Broadcast if r == self.root => part,
+                CollectiveKind::Scatter if r == self.root => part * n,
+                CollectiveKind::AllGather | CollectiveKind::Gather => part,
+                CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => part * n,
+                _ => 0,
+            }
+        };
+        let mine = posts(me);
+        if input.len() < mine {
+            return Err(Error::Internal(format!(
+                "{}: input has {} bytes, the board call posts {mine}",
+                call.name(),
+                input.len()
+            )));
+        }
+        round.post(&input[..mine])?;
+        let out_len = |len: usize| -> Result<&mut [u8]> {
+            if output.1 < len {
+                return Err(Error::Internal(format!(
+                    "{}: output has {} bytes, the board call writes {len}",
+                    call.name(),
+                    output.1
+                )));
+            }
+            // SAFETY: as above; the input is not read any more.
+            Ok(unsafe { slice_mut(output.0, len) })
+        };
+        match self.kind {
+            CollectiveKind::AllReduce => self.reduce_all(&round, n, out_len(part)?, 0..part),
+            CollectiveKind::Reduce if is_root => {
+                self.reduce_all(&round, n, out_len(part)?, 0..part)
+            }
+            CollectiveKind::ReduceScatter => {
+                self.reduce_all(&round, n, out_len(part)?, me * part..(me + 1) * part)
+            }
+            CollectiveKind::Broadcast => {
+                let from = round.read(self.root, part)?;
+                copy(out_len(part)?, from);
+                Ok(())
+            }
+            CollectiveKind::Scatter => {
+                let from = round.read(self.root, part * n)?;
+                copy(out_len(part)?, &from[me * part..(me + 1) * part]);
+                Ok(())
+            }
+            CollectiveKind::AllGather | CollectiveKind::Gather
+                if self.kind == CollectiveKind::AllGather || is_root =>
+            {
+                let out = out_len(part * n)?;
+                for r in 0..n {
+                    copy(&mut out[r * part..(r + 1) * part], round.read(r, part)?);
+                }
+                Ok(())
+            }
+            CollectiveKind::AllToAll => {
+                let out = out_len(part * n)?;
+                for r in 0..n {
+                    let from = round.read(r, part * n)?;
+                    copy(
+                        &mut out[r * part..(r + 1) * part],
+                        &from[me * part..(me + 1) * part],
+                    );
+                }
+                Ok(())
+            }
+            CollectiveKind::Barrier => {
+                for r in 0..n {
+                    round.read(r, 0)?;
+                }
+                Ok(())
+            }
+            // Non-roots of reduce and gather only post.
+            _ => Ok(()),
+        }
+    }
+
+    /// `out = Σ_r posted_r[range]` in rank order, then the op's last step.
+    fn reduce_all(
+        &self,
+        round: &ccl_transport_shm::Round<'_>,
+        n: usize,
+        out: &mut [u8],
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let len = posted_len(self.kind, self.count * self.dtype.size(), n);
+        let first = &round.read(0, len)?[range.clone()];
+        if n == 1 {
+            copy(out, first);
+        } else {
+            let second = &round.read(1, len)?[range.clone()];
+            op::reduce(self.op, self.dtype, out, Some(first), second)?;
+        }
+        for r in 2..n {
+            op::reduce(
+                self.op,
+                self.dtype,
+                out,
+                None,
+                &round.read(r, len)?[range.clone()],
+            )?;
+        }
+        op::finalize(self.op, self.dtype, out, n)
+    }
+}
+
+/// Bytes every rank posts for a reduction.
+fn posted_len(kind: CollectiveKind, part: usize, n: usize) -> usize {
+    if kind == CollectiveKind::ReduceScatter {
+        part * n
+    } else {
+        part
+    }
+}
+
+/// Copies unless source and destination are the same memory (in place).
+fn copy(to: &mut [u8], from: &[u8]) {
+    if to.as_ptr() != from.as_ptr() {
+        to.copy_from_slice(from);
+    }
+}
+
+/// # Safety
+/// `ptr` must be valid for reads of `len` bytes for the returned lifetime.
+unsafe fn slice<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    std::slice::from_raw_parts(ptr, len)
+}
+
+/// # Safety
+/// `ptr` must be valid for writes of `len` bytes, and not otherwise accessed,
+/// for the returned lifetime.
+unsafe fn slice_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    std::slice::from_raw_parts_mut(ptr, len)
+}

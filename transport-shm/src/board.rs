@@ -1,0 +1,462 @@
+//! The board: one segment shared by every rank of a communicator when all of
+//! them run on one host, for small collectives without links.
+//!
+//! Each rank owns an area with two slots. For its `b`-th board call a rank
+//! copies its payload into slot `b % 2`, then publishes `b` in the slot's
+//! first word; the others wait for that word and read the payload (and the
+//! frame header next to it, which must match the call they make). Before a
+//! rank reuses a slot it waits until every peer has published call `b - 1`:
+//! a rank starts a call only after finishing the one before, so by then
+//! nobody reads the slot's previous contents. One write and n − 1 reads of a
+//! cache line per rank replace the messages of a recursive-doubling
+//! allreduce.
+//!
+//! Layout (little-endian words):
+//!
+//! ```text
+//! 0                      magic, ranks, slot bytes
+//! 64 + r·area            rank r: sleepers u32, wake u32, left u32, pid u32
+//! 64 + r·area + 64       slot 0: call number u64, frame header (56 bytes)
+//! ... + 128              slot 0 payload (slot bytes)
+//! ... + 64 + slot bytes  slot 1: the same
+//! ```
+//!
+//! A waiter polls for the spin window, then sleeps on the futex word `wake`
+//! of the rank it waits for, after counting itself in `sleepers`; a rank that
+//! publishes wakes that word only when someone sleeps on it. Sleeps last at
+//! most [`SLICE`], after which the waiter checks that the peer's process
+//! still exists (a pidfd) and the deadline.
+
+use std::{
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use ccl_core::{frame::HEADER_LEN, Error, FrameHeader, Result, Spin, Store};
+
+use crate::segment::Segment;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD01");
+const HEAD: usize = 64;
+const LINE: usize = 64;
+/// Longest sleep before the waiter checks on the peer and the deadline.
+const SLICE: Duration = Duration::from_millis(50);
+/// Polls between two looks at the clock while spinning.
+const POLLS_PER_CLOCK: u32 = 64;
+
+// Offsets in a rank's control line.
+const SLEEPERS: usize = 0;
+const WAKE: usize = 4;
+const LEFT: usize = 8;
+const PID: usize = 12;
+
+/// Value of `left`: the rank aborted the communicator.
+const ABORTED: u32 = 1;
+/// Value of `left`: the rank dropped the communicator.
+const CLOSED: u32 = 2;
+
+/// Payload bytes per slot.
+pub const BOARD_SLOT_BYTES: usize = 16 * 1024;
+
+/// A board shared by every rank of one communicator (see the module docs).
+pub struct Board {
+    rank: usize,
+    n: usize,
+    seg: Segment,
+    slot: usize,
+    /// Board calls made so far by this rank.
+    calls: AtomicU64,
+    /// Readable once peer `p` exits; `None` for this rank or without pidfds.
+    exits: Vec<Option<OwnedFd>>,
+    spin: Spin,
+}
+
+impl std::fmt::Debug for Board {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Board(rank {} of {})", self.rank, self.n)
+    }
+}
+
+fn area(slot: usize) -> usize {
+    LINE + 2 * (LINE + slot)
+}
+
+fn board_len(n: usize, slot: usize) -> usize {
+    HEAD + n * area(slot)
+}
+
+fn futex(word: &AtomicU32, op: i32, val: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|t| libc::timespec {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_nsec: t.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: a futex call on a live, aligned 32-bit word of a shared mapping
+    // (no FUTEX_PRIVATE_FLAG: waiters live in other processes).
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            op,
+            val,
+            ts_ptr,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Whether the process behind `fd` (a pidfd) has exited.
+fn exited(fd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, no wait.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
+}
+
+fn pidfd(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a fresh descriptor that nothing else owns.
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+impl Board {
+    /// Payload bytes one rank can post per call.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot
+    }
+
+    fn control(&self, r: usize) -> usize {
+        HEAD + r * area(self.slot)
+    }
+
+    fn word32(&self, r: usize, what: usize) -> &AtomicU32 {
+        let off = self.control(r) + what;
+        // SAFETY: inside rank r's control line, 4-byte aligned; shared words
+        // are only accessed atomically.
+        unsafe { &*self.seg.base().add(off).cast::<AtomicU32>() }
+    }
+
+    /// Offset of slot `s` of rank `r` (its call-number word).
+    fn slot_at(&self, r: usize, s: usize) -> usize {
+        self.control(r) + LINE + s * (LINE + self.slot)
+    }
+
+    /// Board call number last published in slot `s` of rank `r`.
+    fn published(&self, r: usize, s: usize) -> u64 {
+        self.seg.load(self.slot_at(r, s))
+    }
+
+    /// Starts this rank's next board call: waits (at most `timeout` for the
+    /// whole call) for every
+    /// peer to have published the call before, so that this rank's slot is
+    /// free, and returns the round to post and read in.
+    pub fn begin(&self, header: FrameHeader, timeout: Duration) -> Result<Round<'_>> {
+        let b = self.calls.load(Ordering::Relaxed) + 1;
+        let round = Round {
+            board: self,
+            b,
+            header,
+            deadline: Instant::now() + timeout,
+            timeout,
+        };
+        if b > 1 {
+            let prev = ((b - 1) % 2) as usize;
+            for p in (0..self.n).filter(|&p| p != self.rank) {
+                round.wait_for(p, || self.published(p, prev) >= b - 1)?;
+            }
+        }
+        self.calls.store(b, Ordering::Relaxed);
+        Ok(round)
+    }
+
+    /// Marks this rank as gone (`why`) and wakes every rank sleeping on it.
+    fn leave(&self, why: u32) {
+        self.word32(self.rank, LEFT).store(why, Ordering::Release);
+        let wake = self.word32(self.rank, WAKE);
+        wake.fetch_add(1, Ordering::SeqCst);
+        futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
+    }
+
+    /// Tells the other ranks that this rank gave up on the communicator:
+    /// those waiting for it on the board fail at once.
+    pub fn abort(&self) {
+        self.leave(ABORTED);
+    }
+}
+
+impl Drop for Board {
+    fn drop(&mut self) {
+        if self.word32(self.rank, LEFT).load(Ordering::Acquire) == 0 {
+            self.leave(CLOSED);
+        }
+    }
+}
+
+/// One board call of this rank.
+pub struct Round<'a> {
+    board: &'a Board,
+    b: u64,
+    header: FrameHeader,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl Round<'_> {
+    /// Copies `data` into this rank's slot and publishes it with the call's
+    /// header (whose `len` is set to `data.len()`).
+    pub fn post(&self, data: &[u8]) -> Result<()> {
+        let bd = self.board;
+        if data.len() > bd.slot {
+            return Err(Error::Internal(format!(
+                "{} bytes do not fit a {}-byte board slot",
+                data.len(),
+                bd.slot
+            )));
+        }
+        let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
+        let header = FrameHeader {
+            len: data.len() as u64,
+            ..self.header
+        };
+        // SAFETY: this rank's own slot, which no peer reads until the call
+        // number below is published (peers finished the previous use, see `begin`).
+        unsafe {
+            let base = bd.seg.base().add(at);
+            std::ptr::copy_nonoverlapping(header.encode().as_ptr(), base.add(8), HEADER_LEN);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(LINE), data.len());
+        }
+        bd.seg.word(at).store(self.b, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if bd.word32(bd.rank, SLEEPERS).load(Ordering::Relaxed) > 0 {
+            let wake = bd.word32(bd.rank, WAKE);
+            wake.fetch_add(1, Ordering::SeqCst);
+            futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
+        }
+        Ok(())
+    }
+
+    /// Waits for rank `r` to post this call and returns its payload, whose
+    /// header must match this call with a payload of `len` bytes.
+    pub fn read(&self, r: usize, len: usize) -> Result<&[u8]> {
+        let bd = self.board;
+        let s = (self.b % 2) as usize;
+        if r != bd.rank {
+            self.wait_for(r, || bd.published(r, s) >= self.b)?;
+        }
+        let at = bd.slot_at(r, s);
+        // SAFETY: the slot was published for this call and its owner does not
+        // write it again before this rank publishes its next call.
+        let (head, data) = unsafe {
+            let base = bd.seg.base().add(at);
+            (
+                std::slice::from_raw_parts(base.add(8), HEADER_LEN),
+                base.add(LINE),
+            )
+        };
+        let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
+            rank: bd.rank,
+            peer: r,
+            call: String::new(),
+            msg,
+        })?;
+        let expect = FrameHeader {
+            len: len as u64,
+            ..self.header
+        };
+        expect.check_received(&got, bd.rank, r)?;
+        // SAFETY: as above; `len` is the header's length, at most the slot size.
+        Ok(unsafe { std::slice::from_raw_parts(data, len.min(bd.slot)) })
+    }
+
+    /// Waits until `ready()`, which rank `p` makes true: polls for the spin
+    /// window, then sleeps on p's futex word in slices. Fails if p left, its
+    /// process exited, or the deadline passed.
+    fn wait_for(&self, p: usize, ready: impl Fn() -> bool) -> Result<()> {
+        if ready() {
+            return Ok(());
+        }
+        let bd = self.board;
+        let started = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            if ready() {
+                return Ok(());
+            }
+            polls += 1;
+            if polls % POLLS_PER_CLOCK != 0 {
+                if bd.spin.yield_between {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            let now = Instant::now();
+            if now.duration_since(started) < bd.spin.window {
+                continue;
+            }
+            let lost = |cause: &str| Error::PeerLost {
+                rank: bd.rank,
+                peer: p,
+                call: String::new(),
+                cause: cause.to_string(),
+            };
+            match bd.word32(p, LEFT).load(Ordering::Acquire) {
+                ABORTED => return Err(lost("it aborted the communicator")),
+                CLOSED => return Err(lost("it dropped the communicator")),
+                _ => {}
+            }
+            if bd.exits[p].as_ref().is_some_and(exited) {
+                return Err(lost("its process exited"));
+            }
+            if now >= self.deadline {
+                return Err(Error::Timeout {
+                    context: format!("rank {}", bd.rank),
+                    what: format!(
+                        "rank {p} on the shared-memory board (it did not make this call, or is stuck)"
+                    ),
+                    after: self.timeout,
+                });
+            }
+            let wake = bd.word32(p, WAKE);
+            let sleepers = bd.word32(p, SLEEPERS);
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let seen = wake.load(Ordering::SeqCst);
+            if !ready() && bd.word32(p, LEFT).load(Ordering::Acquire) == 0 {
+                let nap = SLICE.min(self.deadline.saturating_duration_since(now));
+                futex(wake, libc::FUTEX_WAIT, seen, Some(nap));
+            }
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Sets up the board of a communicator of `n` ranks that all run on this host.
+///
+/// Rank 0 creates the segment and offers it through `store`; the others map
+/// it; every rank reports through the store, and once all have, rank 0
+/// unlinks the file. Returns `Ok(Err(reason))`, the same on every rank, when
+/// some rank cannot use the board; `Err` when the store fails.
+pub fn connect_board(
+    rank: usize,
+    n: usize,
+    comm: u64,
+    store: &dyn Store,
+    dir: &Path,
+    timeout: Duration,
+    spin: Spin,
+) -> Result<std::result::Result<Board, String>> {
+    let deadline = Instant::now() + timeout;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let slot = BOARD_SLOT_BYTES;
+    let len = board_len(n, slot);
+    let mapped: std::result::Result<(Segment, PathBuf), String> = if rank == 0 {
+        let name = format!(
+            "ccl-{}-{}-{comm:016x}-board",
+            std::process::id(),
+            crate::SEGMENTS.fetch_add(1, Ordering::Relaxed)
+        );
+        let made = Segment::create(dir, &name, len)
+            .map_err(|e| format!("creating {}: {e}", dir.join(&name).display()));
+        let offer = match &made {
+            Ok(seg) => {
+                seg.word(8).store(n as u64, Ordering::Relaxed);
+                seg.word(16).store(slot as u64, Ordering::Relaxed);
+                seg.word(0).store(MAGIC, Ordering::Release);
+                format!("ok {}", seg.path().display())
+            }
+            Err(e) => format!("err {e}"),
+        };
+        store.set("board/offer", offer.as_bytes())?;
+        made.map(|s| {
+            let path = s.path().to_path_buf();
+            (s, path)
+        })
+    } else {
+        let offer = store.get("board/offer", left())?;
+        let offer = String::from_utf8_lossy(&offer).into_owned();
+        match offer.split_once(' ') {
+            Some(("ok", path)) => Segment::open(Path::new(path), len)
+                .map_err(|e| format!("rank {rank} opening {path}: {e}"))
+                .and_then(|seg| {
+                    let (magic, ranks, bytes) = (seg.load(0), seg.load(8), seg.load(16));
+                    if magic != MAGIC || ranks != n as u64 || bytes != slot as u64 {
+                        return Err(format!(
+                            "board {path} has magic {magic:#x}, {ranks} ranks, {bytes}-byte slots"
+                        ));
+                    }
+                    Ok((seg, PathBuf::from(path)))
+                }),
+            Some(("err", why)) => Err(why.to_string()),
+            _ => Err(format!("malformed board offer {offer:?}")),
+        }
+    };
+    let verdict = match &mapped {
+        Ok((seg, _)) => {
+            let pid_at = HEAD + rank * area(slot) + PID;
+            // SAFETY: this rank's pid word, 4-byte aligned, inside the segment.
+            let pid = unsafe { &*seg.base().add(pid_at).cast::<AtomicU32>() };
+            pid.store(std::process::id(), Ordering::Release);
+            "ok".to_string()
+        }
+        Err(e) => format!("err {e}"),
+    };
+    store.set(&format!("board/{rank}"), verdict.as_bytes())?;
+    let mut failure = None;
+    for r in 0..n {
+        let v = store.get(&format!("board/{r}"), left());
+        let v = match v {
+            Ok(v) => v,
+            Err(e) => {
+                if let Ok((seg, _)) = &mapped {
+                    if rank == 0 {
+                        seg.unlink();
+                    }
+                }
+                return Err(e);
+            }
+        };
+        if v != b"ok" && failure.is_none() {
+            failure = Some(format!(
+                "rank {r}: {}",
+                String::from_utf8_lossy(v.strip_prefix(b"err ").unwrap_or(&v))
+            ));
+        }
+    }
+    let (seg, _path) = match mapped {
+        Ok(m) => m,
+        Err(e) => return Ok(Err(e)),
+    };
+    if rank == 0 {
+        seg.unlink();
+    }
+    if let Some(f) = failure {
+        return Ok(Err(f));
+    }
+    let mut board = Board {
+        rank,
+        n,
+        seg,
+        slot,
+        calls: AtomicU64::new(0),
+        exits: Vec::new(),
+        spin,
+    };
+    board.exits = (0..n)
+        .map(|p| {
+            (p != rank)
+                .then(|| pidfd(board.word32(p, PID).load(Ordering::Acquire)))
+                .flatten()
+        })
+        .collect();
+    Ok(Ok(board))
+}

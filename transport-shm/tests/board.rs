@@ -1,0 +1,161 @@
+//! Ranks as threads of one process sharing a board: posts and reads over many
+//! rounds (every slot reused), and each way a round can fail.
+
+use std::{
+    path::Path,
+    sync::{Arc, Barrier},
+    thread,
+    time::{Duration, Instant},
+};
+
+use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Spin, Store};
+use ccl_transport_shm::{connect_board, Board, SHM_DIR};
+
+const SPIN: Spin = Spin {
+    window: Duration::from_micros(20),
+    yield_between: true,
+    repoll: false,
+};
+
+fn header(seq: u64, count: usize) -> FrameHeader {
+    let fp = Fingerprint::new(CollectiveKind::AllGather, DataType::U8, count);
+    FrameHeader::data(7, seq, 0, 0, fp)
+}
+
+/// Runs `f(rank, board)` on `n` threads sharing one board.
+fn ranks<T: Send + 'static>(
+    n: usize,
+    f: impl Fn(usize, Board) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let threads: Vec<_> = (0..n)
+        .map(|rank| {
+            let (store, f) = (store.clone(), f.clone());
+            thread::spawn(move || {
+                let board = connect_board(
+                    rank,
+                    n,
+                    42,
+                    &*store,
+                    Path::new(SHM_DIR),
+                    Duration::from_secs(20),
+                    SPIN,
+                )
+                .expect("store")
+                .expect("board");
+                f(rank, board)
+            })
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| t.join().expect("rank thread"))
+        .collect()
+}
+
+#[test]
+fn every_rank_reads_every_post_over_many_rounds() {
+    for n in [2, 3, 5] {
+        ranks(n, move |rank, board| {
+            for round in 0..300u64 {
+                let len = (round as usize * 7) % 100;
+                let mine: Vec<u8> = (0..len)
+                    .map(|i| (rank * 31 + i) as u8 ^ round as u8)
+                    .collect();
+                let r = board
+                    .begin(header(round, len), Duration::from_secs(10))
+                    .unwrap();
+                r.post(&mine).unwrap();
+                for p in 0..n {
+                    let got = r.read(p, len).unwrap();
+                    let want: Vec<u8> =
+                        (0..len).map(|i| (p * 31 + i) as u8 ^ round as u8).collect();
+                    assert_eq!(got, &want[..], "rank {rank} round {round} from {p}");
+                }
+            }
+        });
+    }
+}
+
+#[test]
+fn different_calls_are_a_mismatch_on_both_sides() {
+    let errors = ranks(2, |rank, board| {
+        let r = board
+            .begin(header(1, 4 + rank), Duration::from_secs(10))
+            .unwrap();
+        r.post(&vec![0u8; 4 + rank]).unwrap();
+        r.read(1 - rank, 4 + rank).unwrap_err()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Mismatch { peer, .. } if *peer == 1 - rank),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// Rank 1 waits for rank 0, which does `leave` after 100 ms instead of posting.
+fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duration) {
+    let go = Arc::new(Barrier::new(2));
+    let out = ranks(2, move |rank, board| {
+        go.wait();
+        if rank == 0 {
+            thread::sleep(Duration::from_millis(100));
+            leave(board);
+            return None;
+        }
+        let started = Instant::now();
+        let r = board.begin(header(1, 0), Duration::from_secs(10)).unwrap();
+        r.post(&[]).unwrap();
+        let e = r.read(0, 0).unwrap_err();
+        Some((e, started.elapsed()))
+    });
+    out.into_iter().flatten().next().expect("rank 1 result")
+}
+
+#[test]
+fn an_abort_wakes_the_waiters() {
+    let (e, took) = waiter_sees(|board| {
+        board.abort();
+        thread::sleep(Duration::from_millis(500));
+    });
+    assert!(
+        matches!(&e, Error::PeerLost { peer: 0, cause, .. } if cause.contains("aborted")),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+}
+
+#[test]
+fn a_dropped_board_wakes_the_waiters() {
+    let (e, took) = waiter_sees(drop);
+    assert!(
+        matches!(&e, Error::PeerLost { peer: 0, cause, .. } if cause.contains("dropped")),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+}
+
+#[test]
+fn a_silent_peer_is_a_timeout() {
+    let out = ranks(2, |rank, board| {
+        if rank == 0 {
+            thread::sleep(Duration::from_millis(800));
+            return None;
+        }
+        let started = Instant::now();
+        let r = board
+            .begin(header(1, 0), Duration::from_millis(300))
+            .unwrap();
+        r.post(&[]).unwrap();
+        Some((r.read(0, 0).unwrap_err(), started.elapsed()))
+    });
+    let (e, took) = out.into_iter().flatten().next().unwrap();
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    assert!(e.to_string().contains("rank 0"), "{e}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "took {took:?}"
+    );
+}
