@@ -13,6 +13,8 @@ use std::{sync::Arc, time::Duration};
 
 pub use file::FileStore;
 pub use hash::HashStore;
+#[doc(hidden)]
+pub use tcp::fuzz as tcp_fuzz;
 pub use tcp::{TcpStore, TcpStoreServer};
 
 use crate::{Error, Result};

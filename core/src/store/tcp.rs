@@ -1063,6 +1063,102 @@ fn connect_with(
     }
 }
 
+// Replies as the client decodes them, one parser per request.
+
+fn parse_set_reply(r: &mut impl Read) -> Wire<()> {
+    match read_u8(r)? {
+        status::OK => Ok(()),
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+fn parse_get_reply(r: &mut impl Read) -> Wire<Option<Vec<u8>>> {
+    match read_u8(r)? {
+        status::OK => Ok(Some(read_bytes(r, MAX_VALUE, "value")?)),
+        status::NOT_FOUND => Ok(None),
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+/// `None` when every key is there, else the missing keys.
+fn parse_wait_reply(r: &mut impl Read) -> Wire<Option<Vec<String>>> {
+    match read_u8(r)? {
+        status::OK => Ok(None),
+        status::TIMEOUT => Ok(Some(read_keys(r)?)),
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+/// The new value, or the server's message for a value that is no counter.
+fn parse_add_reply(r: &mut impl Read) -> Wire<std::result::Result<i64, Vec<u8>>> {
+    match read_u8(r)? {
+        status::OK => Ok(Ok(read_u64(r)? as i64)),
+        status::INVALID => Ok(Err(read_bytes(r, MAX_VALUE, "message")?)),
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+fn parse_compare_set_reply(r: &mut impl Read) -> Wire<Vec<u8>> {
+    match read_u8(r)? {
+        status::OK => read_bytes(r, MAX_VALUE, "value"),
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+fn parse_delete_reply(r: &mut impl Read) -> Wire<bool> {
+    match read_u8(r)? {
+        status::OK => match read_u8(r)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            b => Err(WireError::Malformed(format!("delete flag {b}"))),
+        },
+        s => Err(WireError::Malformed(format!("status {s}"))),
+    }
+}
+
+/// Entry points for fuzzing the store's decoders with arbitrary bytes: each
+/// returns whether the bytes decoded, and must never panic.
+#[doc(hidden)]
+pub mod fuzz {
+    use super::*;
+
+    fn done<T>(r: Wire<T>, rest: &[u8]) -> std::result::Result<(), String> {
+        r.map(|_| ()).map_err(|e| e.to_string())?;
+        if rest.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} bytes left over", rest.len()))
+        }
+    }
+
+    /// One request as the server decodes it (the bytes after the greeting).
+    pub fn request(bytes: &[u8]) -> std::result::Result<(), String> {
+        let mut r = bytes;
+        match read_request(&mut r) {
+            Ok(None) => Err("no request".into()),
+            other => done(other, r),
+        }
+    }
+
+    /// One reply as the client decodes it: the first byte picks the request
+    /// (1 set, 2 get, 3 wait, 4 add, 5 compare-set, 6 delete), the rest is the reply.
+    pub fn reply(bytes: &[u8]) -> std::result::Result<(), String> {
+        let Some((&which, mut r)) = bytes.split_first() else {
+            return Err("empty".into());
+        };
+        let res = match which {
+            op::SET => parse_set_reply(&mut r).map(|_| ()),
+            op::GET => parse_get_reply(&mut r).map(|_| ()),
+            op::WAIT => parse_wait_reply(&mut r).map(|_| ()),
+            op::ADD => parse_add_reply(&mut r).map(|_| ()),
+            op::COMPARE_SET => parse_compare_set_reply(&mut r).map(|_| ()),
+            op::DELETE => parse_delete_reply(&mut r).map(|_| ()),
+            other => return Err(format!("no request {other}")),
+        };
+        done(res, r)
+    }
+}
+
 impl Store for TcpStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         self.check_value(key, value)?;
@@ -1072,10 +1168,7 @@ impl Store for TcpStore {
             || format!("set('{key}')"),
             &req,
             self.op_timeout,
-            |r| match read_u8(r)? {
-                status::OK => Ok(()),
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_set_reply,
         )
     }
 
@@ -1085,11 +1178,7 @@ impl Store for TcpStore {
             || format!("get('{key}')"),
             &req,
             self.op_timeout,
-            |r| match read_u8(r)? {
-                status::OK => Ok(Some(read_bytes(r, MAX_VALUE, "value")?)),
-                status::NOT_FOUND => Ok(None),
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_get_reply,
         )
     }
 
@@ -1124,11 +1213,7 @@ impl Store for TcpStore {
             || format!("wait({keys:?})"),
             &req,
             timeout.min(MAX_WAIT) + WAIT_MARGIN,
-            |r| match read_u8(r)? {
-                status::OK => Ok(None),
-                status::TIMEOUT => Ok(Some(read_keys(r)?)),
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_wait_reply,
         )?;
         match missing {
             None => Ok(()),
@@ -1147,11 +1232,7 @@ impl Store for TcpStore {
             || format!("add('{key}', {delta})"),
             &req,
             self.op_timeout,
-            |r| match read_u8(r)? {
-                status::OK => Ok(Ok(read_u64(r)? as i64)),
-                status::INVALID => Ok(Err(read_bytes(r, MAX_VALUE, "message")?)),
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_add_reply,
         )?;
         reply.map_err(|msg| Error::InvalidArgument(String::from_utf8_lossy(&msg).into_owned()))
     }
@@ -1178,10 +1259,7 @@ impl Store for TcpStore {
             || format!("compare_set('{key}')"),
             &req,
             self.op_timeout,
-            |r| match read_u8(r)? {
-                status::OK => read_bytes(r, MAX_VALUE, "value"),
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_compare_set_reply,
         )
     }
 
@@ -1191,14 +1269,7 @@ impl Store for TcpStore {
             || format!("delete('{key}')"),
             &req,
             self.op_timeout,
-            |r| match read_u8(r)? {
-                status::OK => match read_u8(r)? {
-                    0 => Ok(false),
-                    1 => Ok(true),
-                    b => Err(WireError::Malformed(format!("delete flag {b}"))),
-                },
-                s => Err(WireError::Malformed(format!("status {s}"))),
-            },
+            parse_delete_reply,
         )
     }
 
