@@ -1,7 +1,70 @@
-//! Algorithms where ranks talk to their peers directly: pairwise all-to-all,
-//! linear gather and scatter, and the dissemination barrier.
+//! Algorithms where ranks talk to their peers directly: one-shot allreduce,
+//! pairwise all-to-all, linear gather and scatter, and the dissemination barrier.
 
-use crate::schedule::{Action, BufId, Builder, Region, Schedule};
+use crate::schedule::{pieces, split_even, Action, BufId, Builder, Region, Schedule};
+
+/// Direct allreduce: rank r owns block r of the buffer. It receives block r
+/// from every peer and reduces it (peers in the order r+1, r+2, ..., so each
+/// block is reduced by one rank, in one order, and every rank gets the same
+/// bits), then sends the reduced block to every peer and receives theirs.
+/// Two steps instead of the ring's 2(n−1), moving the same bytes; over shared
+/// memory each receive reads the peer's buffer in place (cross-memory attach).
+pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
+    let mut b = Builder::new();
+    let inp = |r: std::ops::Range<usize>| Region::new(BufId::Input, r.start, r.len());
+    let out = |r: std::ops::Range<usize>| Region::new(BufId::Output, r.start, r.len());
+    if n == 1 {
+        b.push(Action::Copy {
+            src: inp(0..count),
+            dst: out(0..count),
+        });
+        return b.finish();
+    }
+    let blocks = split_even(count, n);
+    let peers: Vec<usize> = (1..n).map(|s| (rank + s) % n).collect();
+    let sent: Vec<Vec<Region>> = (0..n)
+        .map(|p| pieces(inp(blocks[p].clone()), piece))
+        .collect();
+    let mine = pieces(out(blocks[rank].clone()), piece);
+    let most = sent.iter().map(Vec::len).max().unwrap_or(0);
+    // Reduce-scatter: every peer's part of block `rank`, reduced into the output.
+    for k in 0..most {
+        for &p in &peers {
+            if let Some(&src) = sent[p].get(k) {
+                b.push(Action::Send { peer: p, src });
+            }
+        }
+        if let Some(&dst) = mine.get(k) {
+            for (i, &q) in peers.iter().enumerate() {
+                let local = (i == 0).then(|| Region::new(BufId::Input, dst.offset, dst.len));
+                b.push(Action::RecvReduce {
+                    peer: q,
+                    dst,
+                    local,
+                });
+            }
+            if finalize {
+                b.push(Action::Finalize { dst });
+            }
+        }
+    }
+    // Allgather: the reduced block to every peer, theirs from every peer.
+    let theirs: Vec<Vec<Region>> = (0..n)
+        .map(|p| pieces(out(blocks[p].clone()), piece))
+        .collect();
+    let most = theirs.iter().map(Vec::len).max().unwrap_or(0);
+    for k in 0..most {
+        for &p in &peers {
+            if let Some(&src) = mine.get(k) {
+                b.push(Action::Send { peer: p, src });
+            }
+            if let Some(&dst) = theirs[p].get(k) {
+                b.push(Action::Recv { peer: p, dst });
+            }
+        }
+    }
+    b.finish()
+}
 
 /// All-to-all: block p of the input goes to rank p; block p of the output comes from rank p.
 ///

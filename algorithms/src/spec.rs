@@ -32,6 +32,9 @@ pub enum Algorithm {
     Chain,
     /// Double binary tree (NCCL): allreduce, half the buffer through each tree.
     DoubleBinaryTree,
+    /// Direct: each rank reduces its block from every peer, then sends it to
+    /// every peer (allreduce in two steps; suits shared memory).
+    Direct,
     /// Shared-memory board, when every rank runs on one host: each rank posts
     /// its buffer once and reads the others' (small messages of every
     /// collective but send/recv). Not a schedule: the facade runs it.
@@ -40,7 +43,7 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 11] = [
+    pub const ALL: [Algorithm; 12] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
@@ -51,6 +54,7 @@ impl Algorithm {
         Algorithm::RecursiveHalving,
         Algorithm::Chain,
         Algorithm::DoubleBinaryTree,
+        Algorithm::Direct,
         Algorithm::Board,
     ];
 
@@ -67,6 +71,7 @@ impl Algorithm {
             Algorithm::RecursiveHalving => "rh",
             Algorithm::Chain => "chain",
             Algorithm::DoubleBinaryTree => "dbtree",
+            Algorithm::Direct => "direct",
             Algorithm::Board => "board",
         }
     }
@@ -81,6 +86,7 @@ impl Algorithm {
                 Algorithm::RecursiveDoubling,
                 Algorithm::Rabenseifner,
                 Algorithm::DoubleBinaryTree,
+                Algorithm::Direct,
             ],
             CollectiveKind::AllGather => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
             CollectiveKind::ReduceScatter => &[Algorithm::Ring, Algorithm::RecursiveHalving],
@@ -183,6 +189,9 @@ impl Spec {
             }
             (CollectiveKind::AllReduce, Algorithm::DoubleBinaryTree) => {
                 dbtree::allreduce(r, n, c, p, finalize)
+            }
+            (CollectiveKind::AllReduce, Algorithm::Direct) => {
+                direct::allreduce(r, n, c, p, finalize)
             }
             (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
             (CollectiveKind::AllGather, Algorithm::RecursiveDoubling) => {

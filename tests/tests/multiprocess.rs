@@ -112,6 +112,7 @@ fn collectives_with_every_algorithm_forced() {
             "allreduce=rabenseifner,reduce-scatter=rh,allgather=rd,broadcast=chain,reduce=chain",
         ),
         (6, "allreduce=dbtree"),
+        (5, "allreduce=direct"),
     ] {
         let mut e = env("60s");
         e.push(("CCL_ALGO", algo.into()));
