@@ -15,14 +15,16 @@
 //! ```
 
 mod board;
+mod bucketer;
 mod communicator;
 mod engine;
 
+pub use bucketer::{Bucketer, Reduced, TensorId, DEFAULT_BUCKET_CAP_BYTES};
 pub use ccl_algorithms::Algorithm;
 pub use ccl_core::{
     bf16, config, f16, free_port, CollectiveKind, Config, DataType, Element, Error, FileStore,
-    HashStore, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store, TcpStore,
-    TcpStoreServer, TransportChoice, Work,
+    HashStore, JobSecret, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store,
+    TcpStore, TcpStoreServer, TransportChoice, Work,
 };
 pub use communicator::{Communicator, Options};
 
