@@ -71,11 +71,19 @@ pub enum Cmd {
     Barrier(BenchArgs),
     /// Run ccl and OpenMPI (shared memory, and TCP) alternately on the same sizes and ranks
     CompareMpi(CompareArgs),
+    /// Fused allreduce of many tensors (ccl::Bucketer) against one allreduce of their total and one per tensor
+    Bucketer(crate::bucketer::BucketerArgs),
+}
+
+/// A subcommand that is not one collective's benchmark.
+pub enum Other {
+    CompareMpi(Box<CompareArgs>),
+    Bucketer(crate::bucketer::BucketerArgs),
 }
 
 impl Cmd {
     /// The collective and arguments of a benchmark subcommand.
-    pub fn bench(self) -> Result<(Coll, BenchArgs), Box<CompareArgs>> {
+    pub fn bench(self) -> Result<(Coll, BenchArgs), Other> {
         Ok(match self {
             Cmd::Allreduce(a) => (Coll::Allreduce, a),
             Cmd::Broadcast(a) => (Coll::Broadcast, a),
@@ -87,7 +95,8 @@ impl Cmd {
             Cmd::Scatter(a) => (Coll::Scatter, a),
             Cmd::Sendrecv(a) => (Coll::Sendrecv, a),
             Cmd::Barrier(a) => (Coll::Barrier, a),
-            Cmd::CompareMpi(a) => return Err(Box::new(a)),
+            Cmd::CompareMpi(a) => return Err(Other::CompareMpi(Box::new(a))),
+            Cmd::Bucketer(a) => return Err(Other::Bucketer(a)),
         })
     }
 }

@@ -5,6 +5,7 @@
 //! bandwidth per size; `ccl-bench compare-mpi allreduce ...` runs OpenMPI on
 //! the same sizes and ranks. See bench/README.md.
 
+mod bucketer;
 mod cli;
 mod coll;
 mod data;
@@ -68,7 +69,7 @@ fn one_line(e: &clap::Error) -> String {
         ErrorKind::InvalidSubcommand => {
             let names: Vec<&str> = Coll::ALL.iter().map(|c| c.name()).collect();
             line += &format!(
-                " (expected a collective: {}, or compare-mpi)",
+                " (expected a collective: {}, compare-mpi or bucketer)",
                 names.join(", ")
             );
         }
@@ -101,7 +102,8 @@ fn run(started: SystemTime) -> i32 {
     };
     match cli.cmd.bench() {
         Ok((coll, args)) => bench(coll, &args, started),
-        Err(compare) => mpi::compare(*compare),
+        Err(cli::Other::CompareMpi(compare)) => mpi::compare(*compare),
+        Err(cli::Other::Bucketer(args)) => bucketer::main(args, started),
     }
 }
 
