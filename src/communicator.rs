@@ -9,7 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_algorithms::{Action, Algorithm, BufId, Builder, Call, IoBuffers, Region, Schedule, Spec};
+use ccl_algorithms::{
+    tuner, Action, Algorithm, BufId, Builder, Call, IoBuffers, Links, Region, Schedule, Spec,
+    Tuner,
+};
 use ccl_core::{
     op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
     HashStore, Link, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store, TcpStore,
@@ -312,6 +315,8 @@ pub struct Communicator {
     algo: HashMap<CollectiveKind, Algorithm>,
     /// Largest piece a schedule moves at once.
     piece_bytes: usize,
+    /// The tuning table's lines for this world size and kind of links.
+    tuned: Tuner,
     shm_peers: usize,
 }
 
@@ -456,6 +461,14 @@ impl Communicator {
             schedules: Mutex::new(HashMap::new()),
             algo,
             shm_peers: nshm,
+            tuned: Tuner::builtin().narrowed(
+                world_size,
+                if world_size > 1 && nshm == world_size - 1 {
+                    Links::SharedMemory
+                } else {
+                    Links::Network
+                },
+            ),
             piece_bytes: if world_size > 1 && nshm == world_size - 1 {
                 SHM_PIECE_BYTES
             } else {
@@ -532,9 +545,12 @@ impl Communicator {
 
     // ---- submission -------------------------------------------------------
 
-    /// The algorithm a call of `kind` on `count` elements of `dtype` uses: the
-    /// `CCL_ALGO` override if any, else recursive doubling for small allreduces
-    /// and the one algorithm of every other collective.
+    /// The algorithm a call of `kind` on `count` elements of `dtype` uses:
+    /// the `CCL_ALGO` override if any; else what the tuning table measured
+    /// best for this size, world size and kind of links; else the board where
+    /// the call fits it, recursive doubling for other small allreduces, and
+    /// the first algorithm of every other collective. The board is only ever
+    /// chosen where it exists (every rank on this host) and the call fits it.
     pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
         let board = self.engine().has_board()
             && kind != CollectiveKind::SendRecv
@@ -543,8 +559,17 @@ impl Communicator {
             Some(Algorithm::Board) if board => return Algorithm::Board,
             Some(Algorithm::Board) => {}
             Some(&a) => return a,
-            None if board => return Algorithm::Board,
-            None => {}
+            None => {
+                let bytes = tuner::buffer_bytes(kind, count, dtype.size(), self.world_size);
+                match self.tuned.choose(kind, bytes) {
+                    Some(Algorithm::Board) if !board => {}
+                    Some(a) => return a,
+                    None => {}
+                }
+            }
+        }
+        if board {
+            return Algorithm::Board;
         }
         match kind {
             CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
@@ -557,9 +582,8 @@ impl Communicator {
         }
     }
 
-    fn schedule(&self, req: &Request) -> Result<Arc<Schedule>> {
+    fn schedule(&self, req: &Request, algorithm: Algorithm) -> Result<Arc<Schedule>> {
         let finalize = req.op == ReduceOp::Avg;
-        let algorithm = self.algorithm_for(req.kind, req.count, req.dtype);
         let key = (req.kind, algorithm, req.count, req.root, finalize);
         let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = cache.get(&key) {
@@ -601,7 +625,8 @@ impl Communicator {
         done: Box<dyn FnOnce(Result<()>) + Send>,
         inline: bool,
     ) {
-        let plan = if self.algorithm_for(req.kind, req.count, req.dtype) == Algorithm::Board {
+        let algorithm = self.algorithm_for(req.kind, req.count, req.dtype);
+        let plan = if algorithm == Algorithm::Board {
             Plan::Board(BoardCall {
                 kind: req.kind,
                 dtype: req.dtype,
@@ -610,7 +635,7 @@ impl Communicator {
                 root: req.root,
             })
         } else {
-            match self.schedule(&req) {
+            match self.schedule(&req, algorithm) {
                 Ok(s) => Plan::Schedule(s),
                 Err(e) => return done(Err(e)),
             }
@@ -625,6 +650,7 @@ impl Communicator {
             world_size: self.world_size,
             op: req.op,
         };
+        tracing::debug!(rank = self.rank, call = %call.name(), %algorithm, "collective");
         // Sequence numbers must follow execution order: keep the lock while
         // the job is queued (or, inline, runs).
         self.engine().submit(

@@ -15,6 +15,7 @@ mod ring;
 pub mod schedule;
 mod spec;
 mod tree;
+pub mod tuner;
 
 #[cfg(test)]
 mod tests;
@@ -22,3 +23,4 @@ mod tests;
 pub use executor::{execute, Call, IoBuffers};
 pub use schedule::{Action, BufId, Builder, Op, Region, Schedule};
 pub use spec::{Algorithm, Spec};
+pub use tuner::{Links, Tuner};

@@ -73,12 +73,15 @@ pub enum Cmd {
     CompareMpi(CompareArgs),
     /// Fused allreduce of many tensors (ccl::Bucketer) against one allreduce of their total and one per tensor
     Bucketer(crate::bucketer::BucketerArgs),
+    /// Measure every algorithm and write the tuning table ccl picks algorithms from
+    Tune(crate::tune::TuneArgs),
 }
 
 /// A subcommand that is not one collective's benchmark.
 pub enum Other {
     CompareMpi(Box<CompareArgs>),
     Bucketer(crate::bucketer::BucketerArgs),
+    Tune(crate::tune::TuneArgs),
 }
 
 impl Cmd {
@@ -97,6 +100,7 @@ impl Cmd {
             Cmd::Barrier(a) => (Coll::Barrier, a),
             Cmd::CompareMpi(a) => return Err(Other::CompareMpi(Box::new(a))),
             Cmd::Bucketer(a) => return Err(Other::Bucketer(a)),
+            Cmd::Tune(a) => return Err(Other::Tune(a)),
         })
     }
 }

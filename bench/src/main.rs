@@ -14,6 +14,7 @@ mod plot;
 mod report;
 mod size;
 mod spawn;
+mod tune;
 mod worker;
 
 use std::{ffi::OsString, time::SystemTime};
@@ -69,7 +70,7 @@ fn one_line(e: &clap::Error) -> String {
         ErrorKind::InvalidSubcommand => {
             let names: Vec<&str> = Coll::ALL.iter().map(|c| c.name()).collect();
             line += &format!(
-                " (expected a collective: {}, compare-mpi or bucketer)",
+                " (expected a collective: {}, compare-mpi, bucketer or tune)",
                 names.join(", ")
             );
         }
@@ -104,6 +105,7 @@ fn run(started: SystemTime) -> i32 {
         Ok((coll, args)) => bench(coll, &args, started),
         Err(cli::Other::CompareMpi(compare)) => mpi::compare(*compare),
         Err(cli::Other::Bucketer(args)) => bucketer::main(args, started),
+        Err(cli::Other::Tune(args)) => tune::tune(args),
     }
 }
 

@@ -12,7 +12,7 @@ pub const TIME_DEFINITION: &str =
     "mean over the timed iterations of the slowest rank's time for that iteration";
 
 /// One size (and algorithm) of a run.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Row {
     /// The whole buffer in bytes (n × per-rank part for split collectives).
     pub size_bytes: u64,
@@ -44,7 +44,7 @@ pub struct Row {
 }
 
 /// The run's configuration.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunConfig {
     pub collective: String,
     pub ranks: usize,
@@ -70,7 +70,7 @@ pub struct RunConfig {
 }
 
 /// Versions of what ran.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Versions {
     pub ccl_bench: String,
     pub ccl: String,
@@ -107,7 +107,7 @@ fn os_release() -> String {
 }
 
 /// A whole run, as `--json` writes it.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Report {
     pub tool: String,
     pub config: RunConfig,

@@ -584,3 +584,51 @@ fn compare_mpi_runs_openmpi() {
     assert_png(&png);
     assert_no_strays(&mark);
 }
+
+#[test]
+fn tune_writes_a_table_the_tuner_reads() {
+    let (mark, dir) = scratch("tune");
+    let table = dir.join("tuning.table");
+    let out = run(
+        &mark,
+        &[
+            "tune",
+            "--world-sizes",
+            "2,3",
+            "--links",
+            "shm",
+            "--collectives",
+            "allreduce,broadcast",
+            "-b",
+            "8",
+            "-e",
+            "256K",
+            "-f",
+            "64",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--out",
+            table.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let text = std::fs::read_to_string(&table).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let tuner = ccl_algorithms::Tuner::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    for kind in [
+        ccl::CollectiveKind::AllReduce,
+        ccl::CollectiveKind::Broadcast,
+    ] {
+        for n in [2, 3] {
+            let lines: Vec<_> = tuner
+                .entries()
+                .iter()
+                .filter(|e| e.collective == kind && e.ranks == n)
+                .collect();
+            assert!(!lines.is_empty(), "no {kind} lines for {n} ranks:\n{text}");
+            assert_eq!(lines.last().unwrap().up_to_bytes, None, "{text}");
+        }
+    }
+}
