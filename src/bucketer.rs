@@ -53,6 +53,15 @@
 //! reduces that tensor's `Vec` directly, without copying. [`Bucketer::with_buckets`]
 //! sets the buckets explicitly instead.
 //!
+//! # Zero copy: gradients written into the buckets
+//!
+//! As DDP's `gradient_as_bucket_view`, a tensor can live in its bucket:
+//! [`Bucketer::view_mut`] gives its place in the bucket to write the gradient
+//! into, [`Bucketer::mark_ready`] hands it over without a copy, and after the
+//! step's `Work` completed [`Bucketer::view`] reads the reduced values. Both
+//! forms may be mixed within a step; every tensor is handed over once per
+//! step, by one or the other.
+//!
 //! # Accumulation without communication (`no_sync`)
 //!
 //! After [`Bucketer::set_no_sync`]`(true)`, steps do not communicate: `ready`
@@ -237,6 +246,8 @@ struct Bucket {
     missing: usize,
     /// The tensors' own buffers, held until the bucket is launched.
     held: Vec<(usize, Boxed)>,
+    /// `buf` was launched and has not been taken back from the pool.
+    out: bool,
 }
 
 impl Bucket {
@@ -502,6 +513,7 @@ impl<'c> Bucketer<'c> {
                     buf: None,
                     accumulated: false,
                     held: Vec::new(),
+                    out: false,
                 }
             })
             .collect();
@@ -536,28 +548,13 @@ impl<'c> Bucketer<'c> {
         self.freeze();
         self.in_step = true;
         let (b, off) = (self.tensors[id.0].bucket, self.tensors[id.0].offset);
-        let grad_len = grad.len();
         let grad: Boxed = Box::new(grad);
-        let pool = self.pool.clone();
-        let bucket = &mut self.buckets[b];
-        let ops = bucket.ops;
-        if self.no_sync || !bucket.direct() {
-            // A single tensor's bucket needs a buffer only to accumulate.
-            let (len, off) = if bucket.direct() {
-                (grad_len, 0)
-            } else {
-                (bucket.len, off)
-            };
-            let buf = match bucket.buf.take() {
-                Some(buf) => buf,
-                None if bucket.direct() => (ops.alloc)(len),
-                None => {
-                    let reuse = pool.lock().unwrap_or_else(|p| p.into_inner())[b].take();
-                    reuse.unwrap_or_else(|| (ops.alloc)(len))
-                }
-            };
-            let buf = bucket.buf.insert(buf);
-            (ops.pack)(buf, &grad, off, bucket.accumulated)?;
+        if self.no_sync || !self.buckets[b].direct() {
+            // A single tensor's bucket needs its buffer only to accumulate.
+            let ops = self.buckets[b].ops;
+            let add = self.buckets[b].accumulated;
+            let buf = self.storage(b, false)?;
+            (ops.pack)(buf, &grad, off, add)?;
         }
         self.tensors[id.0].ready = true;
         let bucket = &mut self.buckets[b];
@@ -567,6 +564,101 @@ impl<'c> Bucketer<'c> {
             return Ok(());
         }
         bucket.held.push((id.0, grad));
+        self.launch_complete()
+    }
+
+    /// Bucket `b`'s buffer: its own, else the one back from its last
+    /// reduction, else a new zeroed one, unless `wait_for_last` and the last
+    /// reduction has not handed it back yet.
+    fn storage(&mut self, b: usize, wait_for_last: bool) -> Result<&mut Boxed> {
+        let bucket = &mut self.buckets[b];
+        if bucket.buf.is_none() {
+            let back = self.pool.lock().unwrap_or_else(|p| p.into_inner())[b].take();
+            let buf = match back {
+                Some(buf) => buf,
+                None if bucket.out && wait_for_last => {
+                    return Err(invalid(format!(
+                        "bucket {b} is still being reduced: wait for the step's Work first"
+                    )))
+                }
+                None => (bucket.ops.alloc)(bucket.len),
+            };
+            bucket.out = false;
+            bucket.buf = Some(buf);
+        }
+        bucket
+            .buf
+            .as_mut()
+            .ok_or_else(|| Error::Internal("bucketer: a bucket lost its buffer".into()))
+    }
+
+    fn view_check<T: Element>(&mut self, id: TensorId) -> Result<(usize, usize, usize)> {
+        self.tensor(id)?;
+        self.freeze(); // before reading the tensor's place
+        let t = self.tensor(id)?;
+        if t.dtype != T::DTYPE {
+            return Err(invalid(format!(
+                "{id} was registered as {}, not {}",
+                t.dtype,
+                T::DTYPE
+            )));
+        }
+        Ok((t.bucket, t.offset, t.len))
+    }
+
+    /// Zero-copy form (DDP's `gradient_as_bucket_view`): tensor `id`'s place
+    /// in its bucket, to write the gradient into before [`Bucketer::mark_ready`].
+    /// After a synchronised step's `Work` completed it holds the reduced
+    /// values; in `no_sync` steps it holds the sum so far, so add to it. Fails
+    /// while the tensor's bucket is being reduced, and for a tensor marked
+    /// ready in the current step.
+    pub fn view_mut<T: Element>(&mut self, id: TensorId) -> Result<&mut [T]> {
+        let (b, off, len) = self.view_check::<T>(id)?;
+        if self.tensors[id.0].ready {
+            return Err(invalid(format!(
+                "{id} was already marked ready in this step"
+            )));
+        }
+        let v = typed_mut::<T>(self.storage(b, true)?)?;
+        v.get_mut(off..off + len).ok_or_else(|| range_err("view"))
+    }
+
+    /// Tensor `id`'s place in its bucket, to read: after a synchronised
+    /// step's `Work` completed, the reduced values of every tensor of the
+    /// step, whether handed over by [`Bucketer::ready`] or [`Bucketer::mark_ready`].
+    pub fn view<T: Element>(&mut self, id: TensorId) -> Result<&[T]> {
+        let (b, off, len) = self.view_check::<T>(id)?;
+        let v = typed::<T>(self.storage(b, true)?)?;
+        v.get(off..off + len).ok_or_else(|| range_err("view"))
+    }
+
+    /// Marks tensor `id` ready in place: its gradient was written through
+    /// [`Bucketer::view_mut`]. Launches the buckets that are now complete, as
+    /// [`Bucketer::ready`] does. The step's [`Reduced`] holds no `Vec` for it;
+    /// read the result with [`Bucketer::view`].
+    pub fn mark_ready(&mut self, id: TensorId) -> Result<()> {
+        self.tensor(id)?;
+        self.freeze(); // before reading the tensor's place
+        let t = self.tensor(id)?;
+        if t.ready {
+            return Err(invalid(format!(
+                "{id} was already marked ready in this step"
+            )));
+        }
+        let b = t.bucket;
+        self.storage(b, true)?;
+        self.in_step = true;
+        self.tensors[id.0].ready = true;
+        self.buckets[b].missing -= 1;
+        self.launch_complete()
+    }
+
+    /// Launches, in order, every bucket whose tensors are all ready and
+    /// whose predecessors were launched.
+    fn launch_complete(&mut self) -> Result<()> {
+        if self.no_sync {
+            return Ok(());
+        }
         while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].missing == 0 {
             self.launch(self.next_launch)?;
             self.next_launch += 1;
@@ -596,7 +688,7 @@ impl<'c> Bucketer<'c> {
         let held = std::mem::take(&mut bucket.held);
         let accumulated = std::mem::replace(&mut bucket.accumulated, false);
         let (pending, tensors, direct) =
-            if bucket.direct() {
+            if bucket.direct() && !held.is_empty() {
                 let (id, mut grad) = held.into_iter().next().ok_or_else(|| {
                     Error::Internal("bucketer: a launched bucket is empty".into())
                 })?;
@@ -609,6 +701,7 @@ impl<'c> Bucketer<'c> {
                 let buf = bucket.buf.take().ok_or_else(|| {
                     Error::Internal("bucketer: a full bucket has no buffer".into())
                 })?;
+                bucket.out = true;
                 let tensors = held
                     .into_iter()
                     .map(|(id, g)| (id, g, self.tensors[id].offset))
@@ -762,9 +855,12 @@ impl Reduced {
             .slots
             .get_mut(id.0)
             .ok_or_else(|| invalid(format!("unknown {id} (the step had {n} tensors)")))?;
-        let b = slot
-            .take()
-            .ok_or_else(|| invalid(format!("{id} was already taken")))?;
+        let b = slot.take().ok_or_else(|| {
+            invalid(format!(
+                "{id} has no Vec here: already taken, or marked ready in place \
+                     (read it with Bucketer::view)"
+            ))
+        })?;
         match b.downcast::<Vec<T>>() {
             Ok(v) => Ok(*v),
             Err(b) => {

@@ -215,3 +215,89 @@ fn futures_lite_block_on<T>(w: ccl::Work<T>) -> ccl::Result<T> {
         .unwrap()
         .block_on(w)
 }
+
+#[test]
+fn zero_copy_views_mixed_with_owned_vecs() {
+    with_ranks(3, |comm| {
+        let (r, n) = (comm.rank() as i64, comm.world_size() as i64);
+        let mut b = Bucketer::new(&comm, ReduceOp::Sum).with_cap_bytes(4 << 10);
+        let lens = [100usize, 700, 3, 2000, 50, 900, 1];
+        let ids: Vec<TensorId> = lens
+            .iter()
+            .map(|&l| b.register::<i64>(l).unwrap())
+            .collect();
+        let val = |r: i64, s: i64, t: usize, i: usize| r * 1000 + s * 100 + t as i64 + i as i64;
+        let mut rng = scenario::Rng::new(99 + r as u64);
+        let sum_ranks = |s: i64, t: usize, i: usize| (0..n).map(|q| val(q, s, t, i)).sum::<i64>();
+        for s in 0..3i64 {
+            let mut order: Vec<usize> = (0..lens.len()).collect();
+            rng.shuffle(&mut order);
+            for &t in &order {
+                if t % 2 == 0 {
+                    let v = b.view_mut::<i64>(ids[t]).unwrap();
+                    for (i, x) in v.iter_mut().enumerate() {
+                        *x = val(r, s, t, i);
+                    }
+                    b.mark_ready(ids[t]).unwrap();
+                    assert!(invalid(b.view_mut::<i64>(ids[t])).contains("already marked"));
+                } else {
+                    b.ready(ids[t], (0..lens[t]).map(|i| val(r, s, t, i)).collect())
+                        .unwrap();
+                }
+            }
+            let mut out = b.finish().wait().unwrap();
+            for t in 0..lens.len() {
+                let got: Vec<i64> = if t % 2 == 0 {
+                    assert!(invalid(out.take::<i64>(ids[t])).contains("in place"));
+                    b.view::<i64>(ids[t]).unwrap().to_vec()
+                } else {
+                    out.take(ids[t]).unwrap()
+                };
+                let want: Vec<i64> = (0..lens[t]).map(|i| sum_ranks(s, t, i)).collect();
+                assert_eq!(got, want, "step {s} tensor {t}");
+            }
+        }
+        // no_sync in place: add into the views for two steps, then reduce.
+        b.set_no_sync(true).unwrap();
+        for t in 0..lens.len() {
+            b.view_mut::<i64>(ids[t]).unwrap().fill(0);
+        }
+        for s in 0..3i64 {
+            if s == 2 {
+                b.set_no_sync(false).unwrap();
+            }
+            for t in 0..lens.len() {
+                for x in b.view_mut::<i64>(ids[t]).unwrap() {
+                    *x += r + s;
+                }
+                b.mark_ready(ids[t]).unwrap();
+            }
+            b.finish().wait().unwrap();
+        }
+        let want = (0..n).map(|q| 3 * q + 3).sum::<i64>();
+        for t in 0..lens.len() {
+            assert!(b.view::<i64>(ids[t]).unwrap().iter().all(|&x| x == want));
+        }
+        assert!(invalid(b.view::<f32>(ids[0])).contains("registered as i64"));
+    });
+}
+
+#[test]
+fn a_view_of_a_bucket_being_reduced_is_an_error() {
+    with_ranks(2, |comm| {
+        let mut b = Bucketer::new(&comm, ReduceOp::Sum);
+        let t = b.register::<u32>(16).unwrap();
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_millis(300));
+        }
+        b.view_mut::<u32>(t).unwrap().fill(1);
+        b.mark_ready(t).unwrap();
+        let work = b.finish();
+        if comm.rank() == 0 {
+            // Rank 1 has not joined yet, so the bucket cannot be back.
+            assert!(invalid(b.view::<u32>(t)).contains("still being reduced"));
+        }
+        work.wait().unwrap();
+        assert_eq!(b.view::<u32>(t).unwrap(), &[2u32; 16][..]);
+    });
+}
