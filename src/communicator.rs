@@ -10,8 +10,7 @@ use std::{
 };
 
 use ccl_algorithms::{
-    tuner, Action, Algorithm, BufId, Builder, Call, IoBuffers, Links, Region, Schedule, Spec,
-    Tuner,
+    tuner, Action, Algorithm, BufId, Builder, Call, IoBuffers, Links, Region, Schedule, Spec, Tuner,
 };
 use ccl_core::{
     op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
@@ -496,6 +495,15 @@ impl Communicator {
     /// A broken communicator fails every call; build a new one to go on.
     pub fn broken(&self) -> Option<Error> {
         self.engine.as_ref().and_then(Engine::broken_cause)
+    }
+
+    /// Aborts the communicator, like `ncclCommAbort`: calls running or
+    /// queued on it (from any thread) fail at once, every later call fails
+    /// with [`Error::Broken`], and every peer is told, so that their calls on
+    /// this communicator fail naming this rank instead of waiting for it.
+    /// Build a new communicator (from the same store) to go on.
+    pub fn abort(&self) {
+        self.engine().abort();
     }
 
     fn engine(&self) -> &Engine {

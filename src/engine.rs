@@ -26,9 +26,9 @@
 use std::{
     collections::{HashMap, VecDeque},
     future::Future,
-    pin::Pin,
+    pin::{pin, Pin},
     sync::{
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
     task::{Context, Poll},
@@ -41,6 +41,7 @@ use ccl_transport_shm::Board;
 
 use crate::board::BoardCall;
 use ccl_core::{poll_repolling, AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
+use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
 /// How long aborting may spend telling the peers.
@@ -168,6 +169,10 @@ struct Shared {
     spin: Spin,
     /// The board, when every rank runs on this host.
     board: Option<Arc<Board>>,
+    /// `Communicator::abort` was called: running calls stop, queued ones fail.
+    abort_requested: AtomicBool,
+    /// Wakes running calls when an abort is requested.
+    cancel: Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -203,20 +208,39 @@ impl Shared {
                 return self.finish(job.done, result).await;
             }
         };
-        let result = match tokio::time::timeout(
+        let execution = tokio::time::timeout(
             job.deadline,
             execute(schedule, job.io, &self.links, &job.call, scratch),
-        )
-        .await
-        {
-            Ok(r) => r,
-            Err(_) => Err(Error::Timeout {
+        );
+        let result = match select(pin!(execution), pin!(self.cancelled())).await {
+            Either::Left((Ok(r), _)) => r,
+            Either::Left((Err(_), _)) => Err(Error::Timeout {
                 context: format!("rank {rank}: {}", job.call.name()),
                 what: "the other ranks (a rank did not make this call, or is stuck)".into(),
                 after: job.deadline,
             }),
+            Either::Right(((), _)) => Err(self.aborted_error()),
         };
         self.finish(job.done, result).await;
+    }
+
+    /// Resolves once an abort is requested.
+    async fn cancelled(&self) {
+        loop {
+            let mut notified = pin!(self.cancel.notified());
+            notified.as_mut().enable();
+            if self.abort_requested.load(Ordering::Acquire) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn aborted_error(&self) -> Error {
+        Error::Broken {
+            rank: self.rank,
+            cause: "Communicator::abort was called".into(),
+        }
     }
 
     fn run_board(&self, call: &BoardCall, job: &Job) -> Result<()> {
@@ -235,6 +259,7 @@ impl Shared {
     async fn finish(&self, done: Box<dyn FnOnce(Result<()>) + Send>, result: Result<()>) {
         let rank = self.rank;
         let result = match result {
+            Err(_) if self.abort_requested.load(Ordering::Acquire) => Err(self.aborted_error()),
             Err(e) => Err(self.attribute(e).await),
             ok => ok,
         };
@@ -357,6 +382,8 @@ impl Engine {
             scratch: Mutex::new(AlignedBuf::zeroed(0)),
             spin,
             board: board.map(Arc::new),
+            abort_requested: AtomicBool::new(false),
+            cancel: Notify::new(),
         });
         let runtime = Arc::new(runtime);
         let (state, rt) = (shared.clone(), runtime.clone());
@@ -425,6 +452,56 @@ impl Engine {
         if !q.jobs.is_empty() {
             self.shared.wake_thread.notify_one();
         }
+    }
+
+    /// Stops everything (like `ncclCommAbort`): running calls fail at once,
+    /// queued and later ones fail with [`Error::Broken`], and every peer is
+    /// told that this rank gave up, so that their calls fail too instead of
+    /// waiting for it. Safe from any thread, also while another thread waits
+    /// in a call of this communicator; calling it again does nothing.
+    pub fn abort(&self) {
+        if self.shared.abort_requested.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(board) = &self.shared.board {
+            board.abort();
+        }
+        self.shared.cancel.notify_waiters();
+        // A running call fails, and its failure breaks the communicator and
+        // tells the peers. With none running, this thread does that itself.
+        let idle = {
+            let mut q = lock(&self.shared.queue);
+            let idle = !q.driving;
+            if idle {
+                q.driving = true;
+            }
+            idle
+        };
+        if !idle {
+            return;
+        }
+        let e = self.shared.aborted_error();
+        let first = {
+            let mut b = lock(&self.shared.broken);
+            let first = b.is_none();
+            if first {
+                *b = Some(e.clone());
+            }
+            first
+        };
+        if first {
+            tracing::warn!(rank = self.shared.rank, "{e}");
+            if tokio::runtime::Handle::try_current().is_err() {
+                self.runtime.block_on(self.shared.abort_links(&e));
+            } else {
+                // Inside someone's runtime: a helper thread drives ours.
+                let (shared, rt) = (self.shared.clone(), self.runtime.clone());
+                let _ = thread::Builder::new()
+                    .name("ccl-abort".into())
+                    .spawn(move || rt.block_on(shared.abort_links(&e)));
+            }
+        }
+        self.stop_driving();
     }
 
     /// Whether small collectives can run on the shared-memory board.

@@ -188,3 +188,64 @@ fn blocking_calls_from_inside_an_async_runtime_do_not_panic() {
         assert_eq!(w, vec![2; 4]);
     }
 }
+
+#[test]
+fn abort_stops_a_waiting_call_and_tells_the_peers() {
+    let options = Options {
+        timeout: Duration::from_secs(60),
+        ..Options::default()
+    };
+    // Small (the shared-memory board) and large (links) messages.
+    for len in [4usize, 1 << 20] {
+        let results = with_ranks(3, options.clone(), move |comm| {
+            let comm = Arc::new(comm);
+            comm.barrier().expect("barrier");
+            let started = Instant::now();
+            if comm.rank() == 1 {
+                // Rank 1 waits in a call that rank 2 never makes, then aborts from another thread.
+                let aborter = {
+                    let comm = comm.clone();
+                    thread::spawn(move || {
+                        thread::sleep(Duration::from_millis(300));
+                        comm.abort();
+                    })
+                };
+                let r = comm.allreduce(&mut vec![1.0f32; len], ReduceOp::Sum);
+                aborter.join().unwrap();
+                let later = comm.barrier();
+                return (comm.rank(), r.map(|_| ()), later, started.elapsed());
+            }
+            if comm.rank() == 2 {
+                thread::sleep(Duration::from_millis(1500));
+            }
+            let r = comm.allreduce(&mut vec![1.0f32; len], ReduceOp::Sum);
+            let later = comm.barrier();
+            (comm.rank(), r.map(|_| ()), later, started.elapsed())
+        });
+        for (rank, r, later, took) in results {
+            if rank == 1 {
+                let e = r.expect_err("the aborted call failed");
+                assert!(e.to_string().contains("abort"), "rank 1, {len} floats: {e}");
+                assert!(
+                    matches!(later, Err(Error::Broken { .. })),
+                    "rank 1: later call gave {later:?}"
+                );
+            } else {
+                // The peers' allreduce may still complete with what rank 1
+                // contributed before it aborted; if not, it names rank 1.
+                if let Err(e) = &r {
+                    assert!(
+                        e.to_string().contains("rank 1"),
+                        "rank {rank}, {len} floats: {e}"
+                    );
+                }
+                let e = later.expect_err("a call that needs the aborted rank failed");
+                assert!(
+                    e.to_string().contains("rank 1"),
+                    "rank {rank}, {len} floats: {e}"
+                );
+            }
+            assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
+        }
+    }
+}

@@ -310,6 +310,12 @@ impl Round<'_> {
                 call: String::new(),
                 cause: cause.to_string(),
             };
+            if bd.word32(bd.rank, LEFT).load(Ordering::Acquire) != 0 {
+                return Err(Error::Broken {
+                    rank: bd.rank,
+                    cause: "this rank left the shared-memory board (aborted)".into(),
+                });
+            }
             match bd.word32(p, LEFT).load(Ordering::Acquire) {
                 ABORTED => return Err(lost("it aborted the communicator")),
                 CLOSED => return Err(lost("it dropped the communicator")),
