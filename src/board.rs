@@ -96,6 +96,12 @@ impl BoardCall {
             )));
         }
         round.post(&input[..mine])?;
+        // Every rank's header, also where this call needs no data from it: a
+        // rank that made another call (another root, say) is a mismatch here,
+        // not a silent success.
+        for r in 0..n {
+            round.read(r, posts(r))?;
+        }
         let out_len = |len: usize| -> Result<&mut [u8]> {
             if output.1 < len {
                 return Err(Error::Internal(format!(
@@ -183,6 +189,24 @@ impl BoardCall {
         }
         op::finalize(self.op, self.dtype, out, n)
     }
+}
+
+/// Before a call that runs over the links on a communicator with a board:
+/// every rank posts the call's header and checks everybody else's, so that
+/// ranks that made different calls (which may take different paths, or
+/// wait on each other forever, as broadcasts with different roots do) get
+/// [`Error::Mismatch`] instead of a timeout.
+pub(crate) fn announce(board: &Board, call: &Call, timeout: Duration) -> Result<()> {
+    let header = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
+    let check = || {
+        let round = board.begin(header, timeout)?;
+        round.post(&[])?;
+        for r in 0..call.world_size {
+            round.read(r, 0)?;
+        }
+        Ok(())
+    };
+    check().map_err(|e: Error| e.in_call(&call.name()))
 }
 
 /// Bytes every rank posts for a reduction.

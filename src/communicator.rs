@@ -227,6 +227,38 @@ fn connect_shared_memory(
     Ok(links)
 }
 
+/// Fails clearly, before any link is made, if two processes claim `rank` or
+/// the ranks disagree on the world size (instead of a timeout later).
+fn check_membership(
+    rank: usize,
+    world_size: usize,
+    store: &dyn Store,
+    timeout: Duration,
+) -> Result<()> {
+    let claims = store.add(&format!("member/{rank}/claims"), 1)?;
+    if claims > 1 {
+        return Err(Error::Config(format!(
+            "rank {rank} is claimed by {claims} processes (RANK or its equivalent is wrong)"
+        )));
+    }
+    store.set(
+        &format!("member/{rank}/world"),
+        world_size.to_string().as_bytes(),
+    )?;
+    let deadline = Instant::now() + timeout;
+    for r in (0..world_size).filter(|&r| r != rank) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let theirs = store.get(&format!("member/{r}/world"), left)?;
+        if theirs != world_size.to_string().as_bytes() {
+            return Err(Error::Config(format!(
+                "rank {r} was started with world size {}, rank {rank} with {world_size}",
+                String::from_utf8_lossy(&theirs)
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The board of a communicator whose ranks all share this host, or `None`
 /// (logged once) if some rank cannot map it.
 fn connect_board(
@@ -412,6 +444,9 @@ impl Communicator {
             timeout: options.timeout,
             secret: options.secret.clone(),
         };
+        if world_size > 1 {
+            check_membership(rank, world_size, &*scoped, options.timeout)?;
+        }
         let mut nshm = 0;
         let links = if world_size > 1 {
             let shm = connect_shared_memory(rank, world_size, comm, &*scoped, &options, &runtime)?;

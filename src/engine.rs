@@ -39,7 +39,7 @@ use std::{
 use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
 use ccl_transport_shm::Board;
 
-use crate::board::BoardCall;
+use crate::board::{announce, BoardCall};
 use ccl_core::{poll_repolling, AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
@@ -208,6 +208,11 @@ impl Shared {
                 return self.finish(job.done, result).await;
             }
         };
+        if let (Some(board), None) = (&self.board, job.lane) {
+            if let Err(e) = announce(board, &job.call, job.deadline) {
+                return self.finish(job.done, Err(e)).await;
+            }
+        }
         let execution = tokio::time::timeout(
             job.deadline,
             execute(schedule, job.io, &self.links, &job.call, scratch),
@@ -327,7 +332,7 @@ impl Shared {
             reason: cause.to_string(),
         };
         if let Some(board) = &self.board {
-            board.abort();
+            board.abort(notice.failed_rank as usize);
         }
         let all = futures::future::join_all(self.links.iter().flatten().map(|l| l.abort(&notice)));
         let _ = tokio::time::timeout(ABORT_NOTICE_DEADLINE, all).await;
@@ -464,7 +469,7 @@ impl Engine {
             return;
         }
         if let Some(board) = &self.shared.board {
-            board.abort();
+            board.abort(self.shared.rank);
         }
         self.shared.cancel.notify_waiters();
         // A running call fails, and its failure breaks the communicator and

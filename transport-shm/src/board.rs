@@ -15,7 +15,7 @@
 //!
 //! ```text
 //! 0                      magic, ranks, slot bytes
-//! 64 + r·area            rank r: sleepers u32, wake u32, left u32, pid u32
+//! 64 + r·area            rank r: sleepers u32, wake u32, left u32, pid u32, blame u32
 //! 64 + r·area + 64       slot 0: call number u64, frame header (56 bytes)
 //! ... + 128              slot 0 payload (slot bytes)
 //! ... + 64 + slot bytes  slot 1: the same
@@ -51,6 +51,8 @@ const SLEEPERS: usize = 0;
 const WAKE: usize = 4;
 const LEFT: usize = 8;
 const PID: usize = 12;
+/// The rank the leaving rank blames for its failure, plus one (0: none).
+const BLAME: usize = 16;
 
 /// Value of `left`: the rank aborted the communicator.
 const ABORTED: u32 = 1;
@@ -186,9 +188,12 @@ impl Board {
         futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
     }
 
-    /// Tells the other ranks that this rank gave up on the communicator:
-    /// those waiting for it on the board fail at once.
-    pub fn abort(&self) {
+    /// Tells the other ranks that this rank gave up on the communicator
+    /// because of rank `blame`: those waiting for it on the board fail at
+    /// once, naming that rank.
+    pub fn abort(&self, blame: usize) {
+        self.word32(self.rank, BLAME)
+            .store(blame as u32 + 1, Ordering::Relaxed);
         self.leave(ABORTED);
     }
 }
@@ -310,6 +315,17 @@ impl Round<'_> {
                 call: String::new(),
                 cause: cause.to_string(),
             };
+            if bd.word32(p, LEFT).load(Ordering::Acquire) == ABORTED {
+                let blame = bd.word32(p, BLAME).load(Ordering::Relaxed) as usize;
+                if blame > 0 && blame - 1 != p && blame - 1 != bd.rank {
+                    return Err(Error::PeerLost {
+                        rank: bd.rank,
+                        peer: blame - 1,
+                        call: String::new(),
+                        cause: format!("rank {p} gave up because of it"),
+                    });
+                }
+            }
             if bd.word32(bd.rank, LEFT).load(Ordering::Acquire) != 0 {
                 return Err(Error::Broken {
                     rank: bd.rank,

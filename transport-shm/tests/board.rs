@@ -117,7 +117,7 @@ fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duratio
 #[test]
 fn an_abort_wakes_the_waiters() {
     let (e, took) = waiter_sees(|board| {
-        board.abort();
+        board.abort(0);
         thread::sleep(Duration::from_millis(500));
     });
     assert!(

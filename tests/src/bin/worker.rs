@@ -654,10 +654,31 @@ fn main() {
         "p2p" => p2p(&comm, &mut ck),
         "split" => split(&comm, &mut ck),
         "mismatch" => {
-            // Rank 0 passes one element more than the others.
-            let mut v = vec![1.0f32; 10 + usize::from(comm.rank() == 0)];
-            match comm.allreduce(&mut v, ReduceOp::Sum) {
-                Ok(()) => ck.fail("mismatched allreduce succeeded".into()),
+            // Rank 0 makes a call that differs from the others' in `what`.
+            let what = args.get(2).map(String::as_str).unwrap_or("count");
+            let len = if args.get(3).map(String::as_str) == Some("large") {
+                1 << 20
+            } else {
+                10
+            };
+            let odd = comm.rank() == 0;
+            let floats = |extra: usize| vec![1.0f32; len + extra];
+            let r = match what {
+                "count" => comm.allreduce(&mut floats(usize::from(odd)), ReduceOp::Sum),
+                "dtype" if odd => comm.allreduce(&mut vec![1i32; len], ReduceOp::Sum),
+                "dtype" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                "op" if odd => comm.allreduce(&mut floats(0), ReduceOp::Max),
+                "op" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                "root" => comm.broadcast(&mut floats(0), usize::from(odd)),
+                "kind" if odd => comm.broadcast(&mut floats(0), 0),
+                "kind" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                other => {
+                    eprintln!("unknown mismatch {other}");
+                    exit(2);
+                }
+            };
+            match r {
+                Ok(()) => ck.fail(format!("allreduce with mismatched {what} succeeded")),
                 Err(e) => println!("rank {} error: {e}", comm.rank()),
             }
             match comm.barrier() {
@@ -665,6 +686,69 @@ fn main() {
                 other => ck.fail(format!(
                     "after an error the communicator must be broken, got {other:?}"
                 )),
+            }
+        }
+        "killed" => {
+            // One rank is SIGKILLed at a point the seed picks while every rank
+            // repeats a collective; the others must fail naming it.
+            let seed: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let pick = |salt: u64, m: u64| {
+                (seed.wrapping_add(salt).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 33) % m
+            };
+            let n = comm.world_size();
+            let victim = pick(1, n as u64) as usize;
+            let len = [16usize, 64 << 10, 4 << 20][pick(2, 3) as usize];
+            let which = pick(3, 3);
+            let delay = std::time::Duration::from_millis(5 + pick(4, 150));
+            ck.ok("warm-up", comm.barrier());
+            if comm.rank() == victim {
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::this(),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                });
+            }
+            println!("victim {victim}, {len} floats, collective {which}, after {delay:?}");
+            let mut buf = vec![1.0f32; len];
+            let mut out = vec![0.0f32; len * n];
+            loop {
+                let r = match which {
+                    0 => comm.allreduce(&mut buf, ReduceOp::Sum),
+                    1 => comm.broadcast(&mut buf, (victim + 1) % n),
+                    _ => comm.allgather_into(&buf, &mut out),
+                };
+                if let Err(e) = r {
+                    println!(
+                        "rank {} error after {:?}: {e}",
+                        comm.rank(),
+                        started.elapsed()
+                    );
+                    break;
+                }
+                buf.fill(1.0);
+                if started.elapsed() > std::time::Duration::from_secs(60) {
+                    ck.fail("no error a minute after the kill".into());
+                    break;
+                }
+            }
+        }
+        "slow" => {
+            // The last rank arrives late (within the deadline) at every call.
+            let n = comm.world_size();
+            for len in [8usize, 1 << 20] {
+                if comm.rank() == n - 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(1500));
+                }
+                let mut v = vec![(comm.rank() + 1) as f32; len];
+                if ck
+                    .ok("slow allreduce", comm.allreduce(&mut v, ReduceOp::Sum))
+                    .is_some()
+                {
+                    let want = (n * (n + 1) / 2) as f32;
+                    ck.vec("slow allreduce", &v, |_| want, len);
+                }
             }
         }
         "die" => {

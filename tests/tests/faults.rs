@@ -1,0 +1,234 @@
+//! Fault injection with real processes: ranks killed with SIGKILL at seeded
+//! points, a slow rank, mismatched calls, and broken launches. Every case
+//! bounds the time from the fault to the error on every surviving rank,
+//! checks that no process hangs or panics, and that nothing is left in
+//! `/dev/shm`.
+
+use std::time::Duration;
+
+use ccl_tests::{launch, launch_each, RankOutput};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
+
+fn env(timeout: &str) -> Vec<(&'static str, String)> {
+    vec![("CCL_TIMEOUT", timeout.to_string())]
+}
+
+/// Segments of these processes still in `/dev/shm`.
+fn leftovers(out: &[RankOutput]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .expect("/dev/shm")
+        .filter_map(|f| f.ok()?.file_name().into_string().ok())
+        .filter(|f| {
+            out.iter()
+                .any(|o| f.starts_with(&format!("ccl-{}-", o.pid)))
+        })
+        .collect()
+}
+
+fn no_panic(out: &[RankOutput]) {
+    for o in out {
+        assert!(
+            !o.text().contains("panicked"),
+            "rank {} panicked:\n{}",
+            o.rank,
+            o.text()
+        );
+    }
+}
+
+#[test]
+fn a_rank_killed_at_a_seeded_point_is_named_by_every_survivor() {
+    let mut worst = Duration::ZERO;
+    for seed in 0..20u64 {
+        let n = 2 + (seed as usize % 7);
+        let out = launch(
+            WORKER,
+            &["killed", &seed.to_string()],
+            n,
+            &env("30s"),
+            Duration::from_secs(90),
+        );
+        let what = out[0].stdout.lines().next().unwrap_or("").to_string();
+        let killed: Vec<&RankOutput> = out.iter().filter(|o| o.code.is_none()).collect();
+        assert_eq!(killed.len(), 1, "seed {seed} ({what}): {out:#?}");
+        let victim = killed[0];
+        no_panic(&out);
+        assert!(
+            leftovers(&out).is_empty(),
+            "seed {seed}: {:?}",
+            leftovers(&out)
+        );
+        for o in out.iter().filter(|o| o.rank != victim.rank) {
+            assert_eq!(
+                o.code,
+                Some(0),
+                "seed {seed} ({what}) survivor {}:\n{}",
+                o.rank,
+                o.text()
+            );
+            assert!(
+                o.stdout.contains(&format!("rank {}", victim.rank)),
+                "seed {seed} ({what}): survivor {} does not name rank {}:\n{}",
+                o.rank,
+                victim.rank,
+                o.text()
+            );
+            let after = o.elapsed.saturating_sub(victim.elapsed);
+            assert!(
+                after < Duration::from_secs(10),
+                "seed {seed}: survivor {} took {after:?}",
+                o.rank
+            );
+            worst = worst.max(after);
+        }
+    }
+    eprintln!("longest time from the kill to a survivor's exit: {worst:?}");
+}
+
+#[test]
+fn a_slow_rank_within_the_deadline_changes_nothing() {
+    for n in [2, 4] {
+        let out = launch(WORKER, &["slow"], n, &env("30s"), Duration::from_secs(60));
+        for o in &out {
+            assert_eq!(o.code, Some(0), "rank {}:\n{}", o.rank, o.text());
+        }
+    }
+}
+
+#[test]
+fn every_kind_of_mismatch_fails_on_every_rank() {
+    let cases = [
+        ("count", "small"),
+        ("dtype", "small"),
+        ("op", "small"),
+        ("root", "small"),
+        ("kind", "small"),
+        ("count", "large"),
+        ("dtype", "large"),
+        ("op", "large"),
+        ("kind", "large"),
+    ];
+    for (what, size) in cases {
+        for n in [2, 3] {
+            let out = launch(
+                WORKER,
+                &["mismatch", what, size],
+                n,
+                &env("20s"),
+                Duration::from_secs(40),
+            );
+            no_panic(&out);
+            for o in &out {
+                assert_eq!(
+                    o.code,
+                    Some(0),
+                    "{what} {size}, rank {}:\n{}",
+                    o.rank,
+                    o.text()
+                );
+                assert!(
+                    o.stdout.contains("mismatch"),
+                    "{what} {size}, rank {} does not name the mismatch:\n{}",
+                    o.rank,
+                    o.text()
+                );
+                assert!(
+                    o.elapsed < Duration::from_secs(15),
+                    "{what} {size}, rank {} took {:?}",
+                    o.rank,
+                    o.elapsed
+                );
+            }
+        }
+    }
+}
+
+/// Launches 3 ranks whose environment `bad` spoils; every rank must fail
+/// (no rank may hang or succeed) within the bound, saying `expect`.
+fn broken_launch(what: &str, bad: impl Fn(usize) -> Vec<(&'static str, String)>, expect: &str) {
+    let out = launch_each(
+        WORKER,
+        &["collectives"],
+        3,
+        |rank| {
+            let mut e = env("5s");
+            e.extend(bad(rank));
+            e
+        },
+        Duration::from_secs(40),
+    );
+    no_panic(&out);
+    for o in &out {
+        assert!(
+            o.code.is_some_and(|c| c != 0),
+            "{what}: rank {} exited {:?}:\n{}",
+            o.rank,
+            o.code,
+            o.text()
+        );
+        assert!(
+            o.elapsed < Duration::from_secs(25),
+            "{what}: rank {} took {:?}",
+            o.rank,
+            o.elapsed
+        );
+    }
+    assert!(
+        out.iter().any(|o| o.text().contains(expect)),
+        "{what}: no rank says {expect:?}:\n{out:#?}"
+    );
+}
+
+#[test]
+fn broken_launches_fail_clearly_before_any_collective() {
+    broken_launch(
+        "rank 2 believes in 4 ranks",
+        |r| {
+            if r == 2 {
+                vec![("WORLD_SIZE", "4".into())]
+            } else {
+                vec![]
+            }
+        },
+        "world size",
+    );
+    broken_launch(
+        "two processes claim rank 1",
+        |r| {
+            if r == 2 {
+                vec![("RANK", "1".into()), ("LOCAL_RANK", "1".into())]
+            } else {
+                vec![]
+            }
+        },
+        "rank 1",
+    );
+    broken_launch(
+        "rank 5 of 3",
+        |r| {
+            if r == 2 {
+                vec![("RANK", "5".into())]
+            } else {
+                vec![]
+            }
+        },
+        "rank 5",
+    );
+    broken_launch(
+        "MASTER_ADDR nobody answers at",
+        |_| vec![("MASTER_ADDR", "10.255.255.1".into())],
+        "10.255.255.1",
+    );
+}
+
+#[test]
+fn a_taken_store_port_fails_clearly() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = taken.local_addr().unwrap().port().to_string();
+    broken_launch(
+        "the store port is taken",
+        move |_| vec![("MASTER_PORT", port.clone())],
+        &taken.local_addr().unwrap().port().to_string(),
+    );
+}
