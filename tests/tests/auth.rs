@@ -164,6 +164,11 @@ fn strangers_at_the_store_and_link_ports_are_refused_and_the_job_goes_on() {
     let store =
         TcpStore::connect_with_secret("127.0.0.1", port, Duration::from_secs(30), Some(&js))
             .unwrap();
+    // Ranks 0 and 1 go on to build their links only once every rank has
+    // checked in (the facade's membership check, where it exists): check
+    // rank 2 in ahead of time, as it will check in itself, so that their link
+    // ports open and wait for it while it sleeps.
+    store.set("ccl/member/2/world", b"3").unwrap();
     let link = |rank: usize| -> SocketAddr {
         let v = store
             .get(&format!("ccl/addr/{rank}"), Duration::from_secs(30))
@@ -264,14 +269,13 @@ fn ranks_with_another_secret_or_none_fail_set_up_clearly() {
             "{:?}",
             odd_rank.elapsed
         );
-        // The others at their deadline, naming the rank that never came.
-        for o in &out[..2] {
-            assert!(
-                o.stderr.contains("timed out") && o.stderr.contains("[2]"),
-                "{}",
-                o.stderr
-            );
-        }
+        // Rank 0 at its deadline; rank 1 then, or when rank 0's store goes.
+        assert!(out[0].stderr.contains("timed out"), "{}", out[0].stderr);
+        assert!(
+            out[1].stderr.contains("timed out") || out[1].stderr.contains("closed"),
+            "{}",
+            out[1].stderr
+        );
         assert!(took < Duration::from_secs(20), "{took:?}");
     }
 }
