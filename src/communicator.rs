@@ -63,6 +63,8 @@ pub struct Options {
     /// The job secret (`CCL_JOB_SECRET`): TCP links prove it to each other
     /// and it goes into the communicator id. `None`: unauthenticated.
     pub secret: Option<ccl_core::JobSecret>,
+    /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
+    pub debug_checks: bool,
 }
 
 impl Default for Options {
@@ -78,6 +80,7 @@ impl Default for Options {
             shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
             host_id: None,
             secret: None,
+            debug_checks: false,
         }
     }
 }
@@ -150,6 +153,7 @@ impl Options {
             shm_bytes: config.shm_bytes,
             host_id: config.host_id.clone(),
             secret: config.job_secret.clone(),
+            debug_checks: config.debug_checks,
         }
     }
 }
@@ -479,7 +483,15 @@ impl Communicator {
         } else {
             None
         };
-        let engine = Engine::start(rank, runtime, links, scoped, spin, board)?;
+        let engine = Engine::start(
+            rank,
+            runtime,
+            links,
+            scoped,
+            spin,
+            board,
+            options.debug_checks,
+        )?;
         Ok(Communicator {
             rank,
             world_size,

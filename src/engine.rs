@@ -36,11 +36,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_algorithms::{execute, Call, IoBuffers, Schedule};
+use ccl_algorithms::{execute, Algorithm, Call, IoBuffers, Schedule, Spec};
 use ccl_transport_shm::Board;
 
 use crate::board::{announce, BoardCall};
-use ccl_core::{poll_repolling, AbortNotice, AlignedBuf, Error, Link, Result, Spin, Store};
+use ccl_core::{
+    frame::HEADER_LEN, poll_repolling, AbortNotice, AlignedBuf, CollectiveKind, DataType, Error,
+    Fingerprint, FrameHeader, Link, Result, Spin, Store,
+};
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
@@ -169,6 +172,8 @@ struct Shared {
     spin: Spin,
     /// The board, when every rank runs on this host.
     board: Option<Arc<Board>>,
+    /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
+    debug_checks: bool,
     /// `Communicator::abort` was called: running calls stop, queued ones fail.
     abort_requested: AtomicBool,
     /// Wakes running calls when an abort is requested.
@@ -208,8 +213,13 @@ impl Shared {
                 return self.finish(job.done, result).await;
             }
         };
-        if let (Some(board), None) = (&self.board, job.lane) {
-            if let Err(e) = announce(board, &job.call, job.deadline) {
+        if job.lane.is_none() {
+            let checked = match &self.board {
+                Some(board) => announce(board, &job.call, job.deadline),
+                None if self.debug_checks => self.check_calls(&job.call, job.deadline).await,
+                None => Ok(()),
+            };
+            if let Err(e) = checked {
                 return self.finish(job.done, Err(e)).await;
             }
         }
@@ -227,6 +237,57 @@ impl Shared {
             Either::Right(((), _)) => Err(self.aborted_error()),
         };
         self.finish(job.done, result).await;
+    }
+
+    /// `CCL_DEBUG_CHECKS` over links: every rank allgathers every rank's
+    /// frame header of the call (a schedule of its own, under the same
+    /// sequence number) and compares it with its own.
+    async fn check_calls(&self, call: &Call, deadline: Duration) -> Result<()> {
+        let n = call.world_size;
+        let mine = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
+        let spec = Spec {
+            kind: CollectiveKind::AllGather,
+            rank: self.rank,
+            world_size: n,
+            count: HEADER_LEN,
+            root: 0,
+            finalize: false,
+            piece_elems: HEADER_LEN,
+        };
+        let schedule = spec.build(Algorithm::Ring).map_err(Error::Internal)?;
+        let check = Call {
+            fingerprint: Fingerprint::new(CollectiveKind::AllGather, DataType::U8, HEADER_LEN),
+            ..*call
+        };
+        let input = mine.encode();
+        let mut all = vec![0u8; n * HEADER_LEN];
+        let mut scratch = AlignedBuf::zeroed(0);
+        let io = IoBuffers::separate(&input, &mut all);
+        match tokio::time::timeout(
+            deadline,
+            execute(&schedule, io, &self.links, &check, &mut scratch),
+        )
+        .await
+        {
+            Ok(r) => r.map_err(|e| e.in_call(&call.name()))?,
+            Err(_) => {
+                return Err(Error::Timeout {
+                    context: format!("rank {}: {} (CCL_DEBUG_CHECKS)", self.rank, call.name()),
+                    what: "the other ranks to check their calls".into(),
+                    after: deadline,
+                })
+            }
+        }
+        for (r, theirs) in all.chunks(HEADER_LEN).enumerate() {
+            let got = FrameHeader::decode(theirs).map_err(|msg| Error::Protocol {
+                rank: self.rank,
+                peer: r,
+                call: call.name(),
+                msg,
+            })?;
+            mine.check_received(&got, self.rank, r)?;
+        }
+        Ok(())
     }
 
     /// Resolves once an abort is requested.
@@ -373,6 +434,7 @@ impl Engine {
         store: Arc<dyn Store>,
         spin: Spin,
         board: Option<Board>,
+        debug_checks: bool,
     ) -> Result<Engine> {
         let shared = Arc::new(Shared {
             rank,
@@ -387,6 +449,7 @@ impl Engine {
             scratch: Mutex::new(AlignedBuf::zeroed(0)),
             spin,
             board: board.map(Arc::new),
+            debug_checks,
             abort_requested: AtomicBool::new(false),
             cancel: Notify::new(),
         });

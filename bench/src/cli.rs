@@ -81,7 +81,7 @@ pub enum Cmd {
 pub enum Other {
     CompareMpi(Box<CompareArgs>),
     Bucketer(crate::bucketer::BucketerArgs),
-    Tune(crate::tune::TuneArgs),
+    Tune(Box<crate::tune::TuneArgs>),
 }
 
 impl Cmd {
@@ -100,7 +100,7 @@ impl Cmd {
             Cmd::Barrier(a) => (Coll::Barrier, a),
             Cmd::CompareMpi(a) => return Err(Other::CompareMpi(Box::new(a))),
             Cmd::Bucketer(a) => return Err(Other::Bucketer(a)),
-            Cmd::Tune(a) => return Err(Other::Tune(a)),
+            Cmd::Tune(a) => return Err(Other::Tune(Box::new(a))),
         })
     }
 }

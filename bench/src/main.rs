@@ -105,7 +105,7 @@ fn run(started: SystemTime) -> i32 {
         Ok((coll, args)) => bench(coll, &args, started),
         Err(cli::Other::CompareMpi(compare)) => mpi::compare(*compare),
         Err(cli::Other::Bucketer(args)) => bucketer::main(args, started),
-        Err(cli::Other::Tune(args)) => tune::tune(args),
+        Err(cli::Other::Tune(args)) => tune::tune(*args),
     }
 }
 

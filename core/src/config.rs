@@ -71,6 +71,9 @@ pub struct Config {
     /// `CCL_JOB_SECRET`: the job's shared secret; every store and link
     /// connection proves it (HMAC challenge-response). `None`: unauthenticated.
     pub job_secret: Option<crate::JobSecret>,
+    /// `CCL_DEBUG_CHECKS=1`: before every collective, ranks exchange their
+    /// calls' arguments and fail with a mismatch if they differ.
+    pub debug_checks: bool,
 }
 
 /// Which transport links use (`CCL_TRANSPORT`).
@@ -255,6 +258,15 @@ impl Config {
                 .filter(|s| !s.is_empty())
                 .map(crate::JobSecret::new)
                 .transpose()?,
+            debug_checks: match var("CCL_DEBUG_CHECKS").as_deref() {
+                None | Some("" | "0") => false,
+                Some("1") => true,
+                Some(v) => {
+                    return Err(Error::Config(format!(
+                        "CCL_DEBUG_CHECKS={v:?}: expected 0 or 1"
+                    )))
+                }
+            },
         })
     }
 }

@@ -232,3 +232,43 @@ fn a_taken_store_port_fails_clearly() {
         &taken.local_addr().unwrap().port().to_string(),
     );
 }
+
+#[test]
+fn debug_checks_catch_what_links_alone_cannot() {
+    // Over TCP, broadcasts with different roots wait on each other until the
+    // deadline; CCL_DEBUG_CHECKS=1 compares the calls first.
+    for (what, size) in [("root", "large"), ("root", "small"), ("op", "large")] {
+        let mut e = env("20s");
+        e.push(("CCL_TRANSPORT", "tcp".into()));
+        e.push(("CCL_DEBUG_CHECKS", "1".into()));
+        let out = launch(
+            WORKER,
+            &["mismatch", what, size],
+            3,
+            &e,
+            Duration::from_secs(40),
+        );
+        no_panic(&out);
+        for o in &out {
+            assert_eq!(
+                o.code,
+                Some(0),
+                "{what} {size}, rank {}:\n{}",
+                o.rank,
+                o.text()
+            );
+            assert!(
+                o.stdout.contains("mismatch"),
+                "{what} {size}, rank {} does not name the mismatch:\n{}",
+                o.rank,
+                o.text()
+            );
+            assert!(
+                o.elapsed < Duration::from_secs(15),
+                "{what} {size}: rank {} took {:?}",
+                o.rank,
+                o.elapsed
+            );
+        }
+    }
+}
