@@ -322,6 +322,27 @@ fn set_buffers(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
     s.set_recv_buffer_size(SOCKET_BUFFER)
 }
 
+/// How long an idle link waits before it probes its peer, then between
+/// probes, and how many probes may go unanswered: a peer whose host vanished
+/// (a cut cable, a dead veth) is noticed after about 5 s of silence.
+const KEEPALIVE: (Duration, Duration, u32) = (Duration::from_secs(2), Duration::from_secs(1), 3);
+/// Sent data left unacknowledged this long fails the link (`TCP_USER_TIMEOUT`).
+const UNACKED_LIMIT: Duration = Duration::from_secs(10);
+
+/// Makes a link socket notice a vanished peer within seconds even while it
+/// only waits (keepalive probes) or only sends (`TCP_USER_TIMEOUT`), instead
+/// of at the call's deadline.
+fn watch_peer(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
+    let (idle, interval, probes) = KEEPALIVE;
+    s.set_tcp_keepalive(
+        &socket2::TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(interval)
+            .with_retries(probes),
+    )?;
+    s.set_tcp_user_timeout(Some(UNACKED_LIMIT))
+}
+
 /// A non-blocking listener on `addr` (port 0: any), sockets it accepts
 /// inheriting large buffers.
 fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpListener> {
@@ -548,6 +569,9 @@ impl Shared<'_> {
                 "TCP_NODELAY on socket from rank {from_rank}: {e}"
             );
         }
+        if let Err(e) = watch_peer(&socket2::SockRef::from(&stream)) {
+            tracing::debug!(rank = me, "keepalive on socket from rank {from_rank}: {e}");
+        }
         tracing::trace!(rank = me, peer = from_rank, index = h.index, "accepted");
         *slot = Some(stream);
         true
@@ -741,6 +765,7 @@ async fn open(addr: SocketAddr) -> std::io::Result<TcpStream> {
     };
     set_buffers(&socket2::SockRef::from(&socket))?;
     socket.set_nodelay(true)?;
+    watch_peer(&socket2::SockRef::from(&socket))?;
     socket.connect(addr).await
 }
 

@@ -734,6 +734,26 @@ fn main() {
                 }
             }
         }
+        "repeat" => {
+            // Allreduces until one fails (a link is cut from outside), then
+            // prints the error.
+            let mut v = vec![1.0f32; 256 << 10];
+            loop {
+                if let Err(e) = comm.allreduce(&mut v, ReduceOp::Sum) {
+                    println!(
+                        "rank {} error after {:?}: {e}",
+                        comm.rank(),
+                        started.elapsed()
+                    );
+                    break;
+                }
+                v.fill(1.0);
+                if started.elapsed() > std::time::Duration::from_secs(120) {
+                    ck.fail("no error within two minutes".into());
+                    break;
+                }
+            }
+        }
         "slow" => {
             // The last rank arrives late (within the deadline) at every call.
             let n = comm.world_size();
