@@ -1611,6 +1611,7 @@ mod tests {
 
         // A silent stranger holds a connection open meanwhile.
         let silent = TcpStream::connect(addr).unwrap();
+        let silent_since = Instant::now();
 
         // Wrong secret, no secret: refused at once with a clear error.
         let start = Instant::now();
@@ -1662,7 +1663,21 @@ mod tests {
         assert_eq!(good.try_get("k").unwrap().unwrap(), b"v");
         let again = TcpStore::connect_with_secret("127.0.0.1", addr.port(), T, Some(&job)).unwrap();
         assert_eq!(again.add("n", 1).unwrap(), 1);
-        drop(silent);
+        // The silent stranger got the challenge, then was dropped at the
+        // handshake deadline.
+        let mut silent = silent;
+        silent
+            .set_read_timeout(Some(HANDSHAKE_TIMEOUT + Duration::from_secs(3)))
+            .unwrap();
+        let mut got = Vec::new();
+        silent.read_to_end(&mut got).unwrap();
+        let waited = silent_since.elapsed();
+        assert_eq!(got.len(), auth::CHALLENGE_LEN);
+        assert!(
+            waited >= HANDSHAKE_TIMEOUT - Duration::from_millis(100)
+                && waited < HANDSHAKE_TIMEOUT + Duration::from_secs(2),
+            "{waited:?}"
+        );
     }
 
     #[test]
