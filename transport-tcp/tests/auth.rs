@@ -176,7 +176,10 @@ fn strangers_without_the_secret_are_refused_and_the_mesh_goes_on() {
         rank1.join().unwrap();
         let took = rank0.join().unwrap();
         assert!(took < Duration::from_secs(5), "set-up took {took:?}");
-        drop(silent);
+        // The silent stranger got the challenge and was dropped (at the
+        // latest when set-up ended).
+        let got = until_closed(silent);
+        assert_eq!(got.len(), auth::CHALLENGE_LEN, "{got:02x?}");
     });
 }
 
