@@ -272,3 +272,53 @@ fn debug_checks_catch_what_links_alone_cannot() {
         }
     }
 }
+
+/// Launches 3 ranks through `sh -c script` (`$W` is the worker); every rank
+/// but rank 0, which hosts the store, must fail with an error naming the
+/// store within the bound.
+fn store_lost(what: &str, script: &str) {
+    let script = format!("W={WORKER}; {script}");
+    let out = launch_each(
+        "sh",
+        &["-c", &script],
+        3,
+        |_| env("5s"),
+        Duration::from_secs(60),
+    );
+    no_panic(&out);
+    for o in out.iter().filter(|o| o.rank != 0) {
+        assert!(
+            o.code.is_some_and(|c| c != 0),
+            "{what}: rank {} exited {:?}:\n{}",
+            o.rank,
+            o.code,
+            o.text()
+        );
+        assert!(
+            o.text().contains("store") || o.text().contains("rank 0"),
+            "{what}: rank {} names neither the store nor rank 0:\n{}",
+            o.rank,
+            o.text()
+        );
+        assert!(
+            o.elapsed < Duration::from_secs(25),
+            "{what}: rank {} took {:?}",
+            o.rank,
+            o.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_lost_store_fails_every_rank_clearly() {
+    // Rank 0, which serves the store, never starts.
+    store_lost(
+        "store never up",
+        r#"if [ "$RANK" = 0 ]; then exit 9; fi; exec $W collectives"#,
+    );
+    // Rank 0 is killed while it waits in the rendezvous for rank 2, which starts late.
+    store_lost(
+        "store killed during the rendezvous",
+        r#"case "$RANK" in 0) exec timeout -s KILL 0.5 $W collectives;; 2) sleep 1.5;; esac; exec $W collectives"#,
+    );
+}
