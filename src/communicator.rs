@@ -404,13 +404,49 @@ impl Communicator {
 
     /// Builds rank `rank` of a communicator of `world_size` ranks that meet through `store`.
     /// Every rank calls this; it returns once this rank is connected to all others.
+    /// Calling it again on every rank with the same store (after a failure
+    /// broke the previous communicator, say) builds a fresh communicator.
     pub fn new(
         rank: usize,
         world_size: usize,
         store: Arc<dyn Store>,
         options: Options,
     ) -> Result<Communicator> {
-        Communicator::with_prefix(rank, world_size, store, "ccl".to_string(), options)
+        // Each communicator built from one store gets keys of its own, so
+        // that a new one (after a failure, say) meets no stale keys: the
+        // k-th communicator a rank builds from the store uses `ccl.k`.
+        let key = |r: usize| format!("ccl-incarnation/{r}");
+        let k = store.add(&key(rank), 1)?;
+        if k > 1 {
+            // Every rank must be building its k-th one too.
+            let deadline = Instant::now() + options.timeout;
+            for r in (0..world_size).filter(|&r| r != rank) {
+                let stuck = |theirs: String| {
+                    Error::Config(format!(
+                        "rank {rank} builds its communicator #{k} from this store, but rank {r} \
+                         {theirs}: two processes claim rank {rank}, or the ranks build \
+                         different numbers of communicators"
+                    ))
+                };
+                loop {
+                    let theirs = store
+                        .add(&key(r), 0)
+                        .map_err(|e| stuck(format!("could not be asked ({e})")))?;
+                    if theirs >= k {
+                        break;
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(stuck(format!("only #{theirs} after {:?}", options.timeout)));
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+        let prefix = match k {
+            1 => "ccl".to_string(),
+            k => format!("ccl.{k}"),
+        };
+        Communicator::with_prefix(rank, world_size, store, prefix, options)
     }
 
     fn with_prefix(

@@ -249,3 +249,32 @@ fn abort_stops_a_waiting_call_and_tells_the_peers() {
         }
     }
 }
+
+#[test]
+fn a_new_communicator_from_the_same_store_works_after_a_failure() {
+    let options = Options {
+        timeout: Duration::from_secs(30),
+        ..Options::default()
+    };
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let handles: Vec<_> = (0..3)
+        .map(|rank| {
+            let (store, options) = (store.clone(), options.clone());
+            thread::spawn(move || {
+                let first = Communicator::new(rank, 3, store.clone(), options.clone()).unwrap();
+                // Rank 0 passes a different count: the first communicator breaks.
+                let mut v = vec![1.0f32; 8 + usize::from(rank == 0)];
+                assert!(first.allreduce(&mut v, ReduceOp::Sum).is_err());
+                assert!(first.broken().is_some());
+                drop(first);
+                let second = Communicator::new(rank, 3, store, options).unwrap();
+                let mut v = vec![(rank + 1) as f32; 1000];
+                second.allreduce(&mut v, ReduceOp::Sum).unwrap();
+                assert!(v.iter().all(|&x| x == 6.0), "rank {rank}: {:?}", &v[..4]);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("rank thread");
+    }
+}
