@@ -10,8 +10,9 @@
 # full-duplex NIC of the given rate. Then it runs COMMAND once in each
 # namespace, as one rank of a torchrun-style job: RANK, WORLD_SIZE,
 # LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=10.77.0.1 (namespace 0),
-# MASTER_PORT, CCL_SOCKET_IFNAME=eth0 and CCL_HOST_ID=ccl-h{i} are set, and
-# each output line is prefixed with "[i] ". Everything is removed on exit,
+# MASTER_PORT, CCL_SOCKET_IFNAME=eth0 and CCL_HOST_ID=ccl-h{i} are set, the
+# hostname is ccl-h{i} (a UTS namespace of its own), and each output line is
+# prefixed with "[i] ". Everything is removed on exit,
 # whether COMMAND succeeds, fails or is interrupted.
 #
 #   sudo bench/netns.sh [options] -- COMMAND [ARGS...]
@@ -153,7 +154,8 @@ fi
 for ((i = 0; i < N; i++)); do
     ip netns exec "$PREFIX$i" env RANK=$i WORLD_SIZE="$N" LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
         GROUP_RANK=$i MASTER_ADDR="$SUBNET.1" MASTER_PORT="$PORT" CCL_SOCKET_IFNAME=eth0 \
-        CCL_HOST_ID="$PREFIX$i" timeout -s KILL "$TIMEOUT" "$@" \
+        CCL_HOST_ID="$PREFIX$i" timeout -s KILL "$TIMEOUT" \
+        unshare --uts -- sh -c 'hostname "$0" && exec "$@"' "$PREFIX$i" "$@" \
         > >(sed -u "s/^/[$i] /") 2> >(sed -u "s/^/[$i] /" >&2) &
     PIDS+=($!)
 done
