@@ -259,24 +259,24 @@ fn zero_copy_views_mixed_with_owned_vecs() {
         }
         // no_sync in place: add into the views for two steps, then reduce.
         b.set_no_sync(true).unwrap();
-        for t in 0..lens.len() {
-            b.view_mut::<i64>(ids[t]).unwrap().fill(0);
+        for &id in &ids {
+            b.view_mut::<i64>(id).unwrap().fill(0);
         }
         for s in 0..3i64 {
             if s == 2 {
                 b.set_no_sync(false).unwrap();
             }
-            for t in 0..lens.len() {
-                for x in b.view_mut::<i64>(ids[t]).unwrap() {
+            for &id in &ids {
+                for x in b.view_mut::<i64>(id).unwrap() {
                     *x += r + s;
                 }
-                b.mark_ready(ids[t]).unwrap();
+                b.mark_ready(id).unwrap();
             }
             b.finish().wait().unwrap();
         }
         let want = (0..n).map(|q| 3 * q + 3).sum::<i64>();
-        for t in 0..lens.len() {
-            assert!(b.view::<i64>(ids[t]).unwrap().iter().all(|&x| x == want));
+        for &id in &ids {
+            assert!(b.view::<i64>(id).unwrap().iter().all(|&x| x == want));
         }
         assert!(invalid(b.view::<f32>(ids[0])).contains("registered as i64"));
     });
@@ -300,4 +300,38 @@ fn a_view_of_a_bucket_being_reduced_is_an_error() {
         work.wait().unwrap();
         assert_eq!(b.view::<u32>(t).unwrap(), &[2u32; 16][..]);
     });
+}
+
+#[test]
+fn a_rank_that_never_comes_fails_the_set_within_the_deadline() {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let options = Options {
+        timeout: Duration::from_secs(3),
+        ..Options::default()
+    };
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, options) = (store.clone(), options.clone());
+            thread::spawn(move || {
+                let comm = Communicator::new(rank, 2, store, options).expect("communicator");
+                if rank == 1 {
+                    // Joins, then never hands anything over.
+                    thread::sleep(Duration::from_secs(6));
+                    return None;
+                }
+                let mut b = Bucketer::new(&comm, ReduceOp::Sum).with_cap_bytes(1 << 10);
+                let ids: Vec<TensorId> = (0..4).map(|_| b.register::<f32>(300).unwrap()).collect();
+                for id in ids {
+                    b.ready(id, vec![1.0f32; 300]).unwrap();
+                }
+                let started = std::time::Instant::now();
+                let r = b.finish().wait();
+                Some((r.map(|_| ()), started.elapsed()))
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (r, took) = results[0].clone().expect("rank 0 reports");
+    assert!(r.is_err(), "the set must fail without its peer");
+    assert!(took < Duration::from_secs(10), "failed only after {took:?}");
 }
