@@ -36,7 +36,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_algorithms::{execute, Algorithm, Call, IoBuffers, Schedule, Spec};
+use ccl_algorithms::{execute_within, Algorithm, Call, IoBuffers, Schedule, Spec};
 use ccl_transport_shm::Board;
 
 use crate::board::{announce, BoardCall};
@@ -205,7 +205,6 @@ impl Shared {
         if self.broken().is_some() {
             return self.fail_broken(job);
         }
-        let rank = self.rank;
         let schedule = match &job.plan {
             Plan::Schedule(s) => s,
             Plan::Board(b) => {
@@ -223,17 +222,16 @@ impl Shared {
                 return self.finish(job.done, Err(e)).await;
             }
         }
-        let execution = tokio::time::timeout(
-            job.deadline,
-            execute(schedule, job.io, &self.links, &job.call, scratch),
+        let execution = execute_within(
+            schedule,
+            job.io,
+            &self.links,
+            &job.call,
+            scratch,
+            Some(job.deadline),
         );
         let result = match select(pin!(execution), pin!(self.cancelled())).await {
-            Either::Left((Ok(r), _)) => r,
-            Either::Left((Err(_), _)) => Err(Error::Timeout {
-                context: format!("rank {rank}: {}", job.call.name()),
-                what: "the other ranks (a rank did not make this call, or is stuck)".into(),
-                after: job.deadline,
-            }),
+            Either::Left((r, _)) => r,
             Either::Right(((), _)) => Err(self.aborted_error()),
         };
         self.finish(job.done, result).await;
@@ -263,21 +261,16 @@ impl Shared {
         let mut all = vec![0u8; n * HEADER_LEN];
         let mut scratch = AlignedBuf::zeroed(0);
         let io = IoBuffers::separate(&input, &mut all);
-        match tokio::time::timeout(
-            deadline,
-            execute(&schedule, io, &self.links, &check, &mut scratch),
+        execute_within(
+            &schedule,
+            io,
+            &self.links,
+            &check,
+            &mut scratch,
+            Some(deadline),
         )
         .await
-        {
-            Ok(r) => r.map_err(|e| e.in_call(&call.name()))?,
-            Err(_) => {
-                return Err(Error::Timeout {
-                    context: format!("rank {}: {} (CCL_DEBUG_CHECKS)", self.rank, call.name()),
-                    what: "the other ranks to check their calls".into(),
-                    after: deadline,
-                })
-            }
-        }
+        .map_err(|e| e.in_call(&format!("{} (CCL_DEBUG_CHECKS)", call.name())))?;
         for (r, theirs) in all.chunks(HEADER_LEN).enumerate() {
             let got = FrameHeader::decode(theirs).map_err(|msg| Error::Protocol {
                 rank: self.rank,

@@ -365,6 +365,30 @@ pub async fn execute(
     call: &Call,
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
+    execute_within(schedule, io, links, call, scratch, None).await
+}
+
+/// [`execute`] under a deadline: past it, fails with [`Error::Timeout`]
+/// naming the ranks this rank still waited for (to send data, or to take it).
+pub async fn execute_within(
+    schedule: &Schedule,
+    io: IoBuffers<'_>,
+    links: &[Option<Arc<dyn Link>>],
+    call: &Call,
+    scratch: &mut AlignedBuf,
+    deadline: Option<Duration>,
+) -> Result<()> {
+    run(schedule, io, links, call, scratch, deadline).await
+}
+
+async fn run(
+    schedule: &Schedule,
+    io: IoBuffers<'_>,
+    links: &[Option<Arc<dyn Link>>],
+    call: &Call,
+    scratch: &mut AlignedBuf,
+    deadline: Option<Duration>,
+) -> Result<()> {
     let elem = call.dtype().size();
     scratch.reserve_len(schedule.scratch_elems * elem);
     let mem = Memory {
@@ -435,9 +459,36 @@ pub async fn execute(
         exec.wait_until(|| false).await;
         tokio::time::sleep(SEND_DRAIN).await;
     };
-    // Either everything finishes (successfully, or with the sends drained
-    // after a failure), or the drain time runs out first.
-    let _ = select(pin!(all), pin!(drain)).await;
+    let limit = async {
+        match deadline {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    // Everything finishes (successfully, or with the sends drained after a
+    // failure), or the drain time runs out first, or the deadline.
+    if let Either::Right(_) = select(select(pin!(all), pin!(drain)), pin!(limit)).await {
+        let waiting = |send: bool| -> Vec<usize> {
+            queues
+                .iter()
+                .filter(|(_, ops)| ops.iter().any(|&i| !exec.done[i].load(Ordering::Acquire)))
+                .filter_map(|(q, _)| match *q {
+                    Queue::RecvFrom(p) if !send => Some(p),
+                    Queue::SendTo(p) if send => Some(p),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (from, to) = (waiting(false), waiting(true));
+        return Err(Error::Timeout {
+            context: format!("rank {}: {}", call.rank, call.name()),
+            what: format!(
+                "data from rank(s) {from:?} and rank(s) {to:?} to take this rank's \
+                 (they did not make this call, or are stuck)"
+            ),
+            after: deadline.unwrap_or_default(),
+        });
+    }
     let failure = exec
         .failure
         .lock()

@@ -20,7 +20,7 @@ pub mod tuner;
 #[cfg(test)]
 mod tests;
 
-pub use executor::{execute, Call, IoBuffers};
+pub use executor::{execute, execute_within, Call, IoBuffers};
 pub use schedule::{Action, BufId, Builder, Op, Region, Schedule};
 pub use spec::{Algorithm, Spec};
 pub use tuner::{Links, Tuner};

@@ -278,3 +278,29 @@ fn a_new_communicator_from_the_same_store_works_after_a_failure() {
         h.join().expect("rank thread");
     }
 }
+
+#[test]
+fn a_timeout_names_the_rank_that_did_not_arrive() {
+    let options = Options {
+        timeout: Duration::from_secs(1),
+        transport: ccl::TransportChoice::Tcp,
+        ..Options::default()
+    };
+    let results = with_ranks(2, options, |comm| {
+        if comm.rank() == 1 {
+            thread::sleep(Duration::from_secs(3));
+        }
+        comm.allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum)
+    });
+    match &results[0] {
+        Err(Error::Timeout { context, what, .. }) => {
+            assert!(
+                context.contains("allreduce") && context.contains('#'),
+                "{context}"
+            );
+            assert!(what.contains("[1]"), "{what}");
+        }
+        other => panic!("expected a timeout naming rank 1, got {other:?}"),
+    }
+    assert!(results[1].is_err());
+}
