@@ -87,6 +87,13 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
             return 1;
         }
     };
+    let secret = match ccl_run::job_secret() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ccl-bench: cannot generate {}: {e}", ccl_run::SECRET_VAR);
+            return 1;
+        }
+    };
     let port = match ccl::free_port() {
         Ok(p) => p,
         Err(e) => {
@@ -102,6 +109,9 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
         cmd.args(args).envs(rank_env(rank, n, port, t0));
+        if let Some(secret) = &secret {
+            cmd.env(ccl_run::SECRET_VAR, secret);
+        }
         cmd.stdin(Stdio::null());
         ccl_run::die_with_parent(&mut cmd);
         // Spawned under the lock so that a kill never misses a rank being added.

@@ -65,10 +65,15 @@ fn launcher_name(l: Launcher) -> &'static str {
 /// The rendezvous store of the job (rank 0 serves a TCP store).
 fn store(config: &Config, plan: &Plan) -> Result<Arc<dyn Store>, BoxError> {
     Ok(match &config.rendezvous {
-        Rendezvous::Tcp { host, port } if config.rank == 0 => {
-            Arc::new(TcpStore::serve(host, *port, plan.timeout)?)
-        }
-        Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect(host, *port, plan.timeout)?),
+        Rendezvous::Tcp { host, port } if config.rank == 0 => Arc::new(
+            TcpStore::serve_with_secret(host, *port, plan.timeout, config.job_secret.as_ref())?,
+        ),
+        Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect_with_secret(
+            host,
+            *port,
+            plan.timeout,
+            config.job_secret.as_ref(),
+        )?),
         Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
         Rendezvous::Local => Arc::new(HashStore::new()),
     })

@@ -23,3 +23,21 @@ pub fn die_with_parent(cmd: &mut Command) -> &mut Command {
     }
     cmd
 }
+
+/// Environment variable carrying the per-job shared secret.
+pub const SECRET_VAR: &str = "CCL_JOB_SECRET";
+
+/// The job secret for ranks this process starts: `None` if a non-empty
+/// `CCL_JOB_SECRET` is already set (the ranks inherit it), else 32 fresh
+/// random bytes from the OS, hex encoded (64 characters).
+pub fn job_secret() -> Result<Option<String>, rand::Error> {
+    use rand::RngCore;
+    match std::env::var_os(SECRET_VAR) {
+        Some(v) if !v.is_empty() => Ok(None),
+        _ => {
+            let mut bytes = [0u8; 32];
+            rand::rngs::OsRng.try_fill_bytes(&mut bytes)?;
+            Ok(Some(bytes.iter().map(|b| format!("{b:02x}")).collect()))
+        }
+    }
+}

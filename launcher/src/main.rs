@@ -25,7 +25,6 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
-use rand::RngCore;
 
 /// Exit status for usage errors and failures to launch the ranks.
 const EXIT_USAGE: i32 = 2;
@@ -38,8 +37,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// group and still holds the pipe open.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Environment variable carrying the per-job shared secret.
-const SECRET_VAR: &str = "CCL_JOB_SECRET";
+use ccl_run::SECRET_VAR;
 
 /// Launch N local ranks of a program with torchrun-style environment variables.
 #[derive(Parser, Debug)]
@@ -239,15 +237,12 @@ fn run(cli: Cli) -> i32 {
         },
     };
     // Keep a non-empty inherited secret; otherwise generate a fresh one.
-    let secret = match std::env::var_os(SECRET_VAR) {
-        Some(v) if !v.is_empty() => None,
-        _ => match fresh_secret() {
-            Ok(s) => Some(s),
-            Err(e) => {
-                eprintln!("ccl-run: could not generate {SECRET_VAR}: {e}");
-                return EXIT_USAGE;
-            }
-        },
+    let secret = match ccl_run::job_secret() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("ccl-run: could not generate {SECRET_VAR}: {e}");
+            return EXIT_USAGE;
+        }
     };
 
     if let Err(e) = signals::install() {
@@ -329,13 +324,6 @@ impl RankEnv<'_> {
             cmd.env(SECRET_VAR, secret);
         }
     }
-}
-
-/// 32 random bytes from the OS, hex encoded (64 characters).
-fn fresh_secret() -> Result<String, rand::Error> {
-    let mut bytes = [0u8; 32];
-    rand::rngs::OsRng.try_fill_bytes(&mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Spawns one rank and, when tagging, its two output reader threads.
