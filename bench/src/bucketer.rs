@@ -17,11 +17,10 @@
 
 use std::{
     ffi::OsString,
-    sync::Arc,
     time::{Duration, Instant, SystemTime},
 };
 
-use ccl::{Bucketer, Communicator, Config, Launcher, Options, ReduceOp, Store, TensorId};
+use ccl::{Bucketer, Communicator, Config, Launcher, Options, ReduceOp, TensorId};
 use clap::Args;
 
 use crate::{cli, size, spawn};
@@ -154,16 +153,7 @@ fn slowest(comm: &Communicator, secs: f64) -> ccl::Result<f64> {
 
 fn run_rank(args: &BucketerArgs, config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     let timeout = cli::timeout(args.timeout)?;
-    let store: Arc<dyn Store> = match &config.rendezvous {
-        ccl::Rendezvous::Tcp { host, port } if config.rank == 0 => {
-            Arc::new(ccl::TcpStore::serve(host, *port, timeout)?)
-        }
-        ccl::Rendezvous::Tcp { host, port } => {
-            Arc::new(ccl::TcpStore::connect(host, *port, timeout)?)
-        }
-        ccl::Rendezvous::File(dir) => Arc::new(ccl::FileStore::new(dir)?),
-        ccl::Rendezvous::Local => Arc::new(ccl::HashStore::new()),
-    };
+    let store = crate::worker::store(config, timeout)?;
     let mut options = Options::from_config(config);
     options.timeout = timeout;
     options.transport = args.transport.parse().map_err(ccl::Error::Config)?;

@@ -63,15 +63,15 @@ fn launcher_name(l: Launcher) -> &'static str {
 }
 
 /// The rendezvous store of the job (rank 0 serves a TCP store).
-fn store(config: &Config, plan: &Plan) -> Result<Arc<dyn Store>, BoxError> {
+pub fn store(config: &Config, timeout: std::time::Duration) -> Result<Arc<dyn Store>, BoxError> {
     Ok(match &config.rendezvous {
         Rendezvous::Tcp { host, port } if config.rank == 0 => Arc::new(
-            TcpStore::serve_with_secret(host, *port, plan.timeout, config.job_secret.as_ref())?,
+            TcpStore::serve_with_secret(host, *port, timeout, config.job_secret.as_ref())?,
         ),
         Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect_with_secret(
             host,
             *port,
-            plan.timeout,
+            timeout,
             config.job_secret.as_ref(),
         )?),
         Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
@@ -309,7 +309,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     };
 
     // ---- set-up: rendezvous and one communicator per algorithm ----------
-    let store = store(config, plan)?;
+    let store = store(config, plan.timeout)?;
     let mut comms = Vec::with_capacity(plan.algos.len());
     for (i, algo) in plan.algos.iter().enumerate() {
         let mut options = Options::from_config(config);
