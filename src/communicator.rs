@@ -352,6 +352,8 @@ pub struct Communicator {
     piece_bytes: usize,
     /// The tuning table's lines for this world size and kind of links.
     tuned: Tuner,
+    /// Deadline of each call from now on, in nanoseconds ([`Communicator::set_timeout`]).
+    timeout_ns: AtomicU64,
     shm_peers: usize,
 }
 
@@ -529,6 +531,7 @@ impl Communicator {
             options.debug_checks,
         )?;
         Ok(Communicator {
+            timeout_ns: AtomicU64::new(options.timeout.as_nanos().min(u64::MAX as u128) as u64),
             rank,
             world_size,
             store,
@@ -587,6 +590,20 @@ impl Communicator {
     /// Build a new communicator (from the same store) to go on.
     pub fn abort(&self) {
         self.engine().abort();
+    }
+
+    /// Sets the deadline of every call issued from now on (the default is
+    /// `Options::timeout`, `CCL_TIMEOUT`): a call still running when it
+    /// passes fails with [`Error::Timeout`] naming the ranks it waited for,
+    /// and breaks the communicator. Every rank should set the same value.
+    pub fn set_timeout(&self, timeout: Duration) {
+        let ns = timeout.as_nanos().min(u64::MAX as u128) as u64;
+        self.timeout_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// The deadline of calls issued now.
+    pub fn timeout(&self) -> Duration {
+        Duration::from_nanos(self.timeout_ns.load(Ordering::Relaxed))
     }
 
     fn engine(&self) -> &Engine {
@@ -749,7 +766,7 @@ impl Communicator {
                 plan,
                 call,
                 io,
-                deadline: self.options.timeout,
+                deadline: self.timeout(),
                 lane: None,
                 done,
             },
@@ -795,7 +812,7 @@ impl Communicator {
                 plan: Plan::Schedule(schedule),
                 call,
                 io,
-                deadline: self.options.timeout,
+                deadline: self.timeout(),
                 lane: Some((peer, send)),
                 done,
             },

@@ -282,15 +282,25 @@ fn a_new_communicator_from_the_same_store_works_after_a_failure() {
 #[test]
 fn a_timeout_names_the_rank_that_did_not_arrive() {
     let options = Options {
-        timeout: Duration::from_secs(1),
+        timeout: Duration::from_secs(60),
         transport: ccl::TransportChoice::Tcp,
         ..Options::default()
     };
     let results = with_ranks(2, options, |comm| {
+        // The deadline of the calls from now on, shorter than the default.
+        comm.set_timeout(Duration::from_secs(1));
+        assert_eq!(comm.timeout(), Duration::from_secs(1));
         if comm.rank() == 1 {
             thread::sleep(Duration::from_secs(3));
         }
-        comm.allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum)
+        let started = Instant::now();
+        let r = comm.allreduce(&mut vec![1.0f32; 1 << 20], ReduceOp::Sum);
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        r
     });
     match &results[0] {
         Err(Error::Timeout { context, what, .. }) => {
