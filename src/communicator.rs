@@ -263,6 +263,23 @@ fn check_membership(
     Ok(())
 }
 
+/// The last step of set-up: every other rank tells rank 0 that it is done
+/// with the store, and rank 0 waits for that. Rank 0 may host the store, so it
+/// must not run ahead (and exit, say) while others still read their set-up keys.
+fn finish_setup(
+    rank: usize,
+    world_size: usize,
+    store: &dyn Store,
+    timeout: Duration,
+) -> Result<()> {
+    if rank != 0 {
+        return store.set(&format!("setup-done/{rank}"), b"");
+    }
+    let keys: Vec<String> = (1..world_size).map(|r| format!("setup-done/{r}")).collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    store.wait(&keys, timeout)
+}
+
 /// The board of a communicator whose ranks all share this host, or `None`
 /// (logged once) if some rank cannot map it.
 fn connect_board(
@@ -521,6 +538,9 @@ impl Communicator {
         } else {
             None
         };
+        if world_size > 1 {
+            finish_setup(rank, world_size, &*scoped, options.timeout)?;
+        }
         let engine = Engine::start(
             rank,
             runtime,
