@@ -149,3 +149,28 @@ pub fn assert_all_ok(outputs: &[RankOutput], what: &str) {
     }
     panic!("{msg}");
 }
+
+/// Shared-memory segments of these processes still in `/dev/shm`.
+pub fn leftovers(outputs: &[RankOutput]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .expect("/dev/shm")
+        .filter_map(|f| f.ok()?.file_name().into_string().ok())
+        .filter(|f| {
+            outputs
+                .iter()
+                .any(|o| f.starts_with(&format!("ccl-{}-", o.pid)))
+        })
+        .collect()
+}
+
+/// Panics if any rank panicked.
+pub fn no_panic(outputs: &[RankOutput]) {
+    for o in outputs {
+        assert!(
+            !o.text().contains("panicked"),
+            "rank {} panicked:\n{}",
+            o.rank,
+            o.text()
+        );
+    }
+}

@@ -6,35 +6,12 @@
 
 use std::time::Duration;
 
-use ccl_tests::{launch, launch_each, RankOutput};
+use ccl_tests::{launch, launch_each, leftovers, no_panic, RankOutput};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
 fn env(timeout: &str) -> Vec<(&'static str, String)> {
     vec![("CCL_TIMEOUT", timeout.to_string())]
-}
-
-/// Segments of these processes still in `/dev/shm`.
-fn leftovers(out: &[RankOutput]) -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .expect("/dev/shm")
-        .filter_map(|f| f.ok()?.file_name().into_string().ok())
-        .filter(|f| {
-            out.iter()
-                .any(|o| f.starts_with(&format!("ccl-{}-", o.pid)))
-        })
-        .collect()
-}
-
-fn no_panic(out: &[RankOutput]) {
-    for o in out {
-        assert!(
-            !o.text().contains("panicked"),
-            "rank {} panicked:\n{}",
-            o.rank,
-            o.text()
-        );
-    }
 }
 
 #[test]
@@ -96,6 +73,40 @@ fn a_slow_rank_within_the_deadline_changes_nothing() {
     }
 }
 
+/// Runs the worker's mismatch scenario (`what` differs on rank 0) on `n`
+/// ranks: every rank must report the mismatch within the bound.
+fn every_rank_names_the_mismatch(what: &str, size: &str, n: usize, env: &[(&str, String)]) {
+    let out = launch(
+        WORKER,
+        &["mismatch", what, size],
+        n,
+        env,
+        Duration::from_secs(40),
+    );
+    no_panic(&out);
+    for o in &out {
+        assert_eq!(
+            o.code,
+            Some(0),
+            "{what} {size}, rank {}:\n{}",
+            o.rank,
+            o.text()
+        );
+        assert!(
+            o.stdout.contains("mismatch"),
+            "{what} {size}, rank {} does not name the mismatch:\n{}",
+            o.rank,
+            o.text()
+        );
+        assert!(
+            o.elapsed < Duration::from_secs(15),
+            "{what} {size}: rank {} took {:?}",
+            o.rank,
+            o.elapsed
+        );
+    }
+}
+
 #[test]
 fn every_kind_of_mismatch_fails_on_every_rank() {
     let cases = [
@@ -111,35 +122,7 @@ fn every_kind_of_mismatch_fails_on_every_rank() {
     ];
     for (what, size) in cases {
         for n in [2, 3] {
-            let out = launch(
-                WORKER,
-                &["mismatch", what, size],
-                n,
-                &env("20s"),
-                Duration::from_secs(40),
-            );
-            no_panic(&out);
-            for o in &out {
-                assert_eq!(
-                    o.code,
-                    Some(0),
-                    "{what} {size}, rank {}:\n{}",
-                    o.rank,
-                    o.text()
-                );
-                assert!(
-                    o.stdout.contains("mismatch"),
-                    "{what} {size}, rank {} does not name the mismatch:\n{}",
-                    o.rank,
-                    o.text()
-                );
-                assert!(
-                    o.elapsed < Duration::from_secs(15),
-                    "{what} {size}, rank {} took {:?}",
-                    o.rank,
-                    o.elapsed
-                );
-            }
+            every_rank_names_the_mismatch(what, size, n, &env("20s"));
         }
     }
 }
@@ -241,35 +224,7 @@ fn debug_checks_catch_what_links_alone_cannot() {
         let mut e = env("20s");
         e.push(("CCL_TRANSPORT", "tcp".into()));
         e.push(("CCL_DEBUG_CHECKS", "1".into()));
-        let out = launch(
-            WORKER,
-            &["mismatch", what, size],
-            3,
-            &e,
-            Duration::from_secs(40),
-        );
-        no_panic(&out);
-        for o in &out {
-            assert_eq!(
-                o.code,
-                Some(0),
-                "{what} {size}, rank {}:\n{}",
-                o.rank,
-                o.text()
-            );
-            assert!(
-                o.stdout.contains("mismatch"),
-                "{what} {size}, rank {} does not name the mismatch:\n{}",
-                o.rank,
-                o.text()
-            );
-            assert!(
-                o.elapsed < Duration::from_secs(15),
-                "{what} {size}: rank {} took {:?}",
-                o.rank,
-                o.elapsed
-            );
-        }
+        every_rank_names_the_mismatch(what, size, 3, &e);
     }
 }
 
