@@ -58,6 +58,8 @@ pub struct Options {
     pub transport: TransportChoice,
     /// Shared memory per pair of ranks on one host.
     pub shm_bytes: usize,
+    /// Let shared-memory links read peers' memory directly (`CCL_SHM_CMA`).
+    pub shm_cma: bool,
     /// Ranks with equal host ids may share memory (`None`: detected).
     pub host_id: Option<String>,
     /// The job secret (`CCL_JOB_SECRET`): TCP links prove it to each other
@@ -78,6 +80,7 @@ impl Default for Options {
             spin: Spin::default(),
             transport: TransportChoice::Auto,
             shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
+            shm_cma: true,
             host_id: None,
             secret: None,
             debug_checks: false,
@@ -151,6 +154,7 @@ impl Options {
             },
             transport: config.transport,
             shm_bytes: config.shm_bytes,
+            shm_cma: config.shm_cma,
             host_id: config.host_id.clone(),
             secret: config.job_secret.clone(),
             debug_checks: config.debug_checks,
@@ -203,6 +207,7 @@ fn connect_shared_memory(
     }
     let shm = ccl_transport_shm::ShmOptions {
         bytes: options.shm_bytes,
+        cma: options.shm_cma,
         timeout: deadline.saturating_duration_since(Instant::now()),
         spin: options.spin,
         ..Default::default()

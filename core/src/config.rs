@@ -65,6 +65,9 @@ pub struct Config {
     pub transport: TransportChoice,
     /// `CCL_SHM_BYTES`: shared memory per pair of ranks on one host (both directions).
     pub shm_bytes: usize,
+    /// `CCL_SHM_CMA=0`: never read a peer's memory with cross-memory attach
+    /// (large shared-memory messages are then copied through the ring).
+    pub shm_cma: bool,
     /// `CCL_HOST_ID`: ranks with equal values count as one host (default: the
     /// hostname, boot id and namespaces of the process).
     pub host_id: Option<String>,
@@ -253,6 +256,13 @@ impl Config {
                 .transpose()?
                 .unwrap_or_default(),
             shm_bytes,
+            shm_cma: match var("CCL_SHM_CMA").as_deref() {
+                None | Some("" | "1") => true,
+                Some("0") => false,
+                Some(v) => {
+                    return Err(Error::Config(format!("CCL_SHM_CMA={v:?}: expected 0 or 1")))
+                }
+            },
             host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
             job_secret: var("CCL_JOB_SECRET")
                 .filter(|s| !s.is_empty())
@@ -344,6 +354,10 @@ mod tests {
         assert_eq!(c.job_secret, Some(crate::JobSecret::new("s3cret").unwrap()));
         assert!(!format!("{c:?}").contains("s3cret"));
         assert_eq!(cfg(&[("CCL_JOB_SECRET", "")]).unwrap().job_secret, None);
+        let c = cfg(&[("CCL_DEBUG_CHECKS", "1"), ("CCL_SHM_CMA", "0")]).unwrap();
+        assert!(c.debug_checks && !c.shm_cma);
+        let c = cfg(&[]).unwrap();
+        assert!(!c.debug_checks && c.shm_cma);
     }
 
     #[test]
@@ -368,6 +382,8 @@ mod tests {
             vec![("CCL_NSOCKS", "0")],
             vec![("CCL_SPIN_US", "-5")],
             vec![("CCL_JOB_SECRET", long.as_str())],
+            vec![("CCL_DEBUG_CHECKS", "yes")],
+            vec![("CCL_SHM_CMA", "off")],
         ] {
             let e = cfg(&bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");

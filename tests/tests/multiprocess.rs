@@ -126,6 +126,18 @@ fn collectives_with_every_algorithm_forced() {
 }
 
 #[test]
+fn large_messages_by_reference_and_through_the_ring() {
+    // By reference (cross-memory attach), and copied through the ring as
+    // where the kernel refuses cross-memory attach (CCL_SHM_CMA=0).
+    for cma in ["1", "0"] {
+        let mut e = env("60s");
+        e.push(("CCL_SHM_CMA", cma.into()));
+        let out = launch(WORKER, &["large"], 3, &e, Duration::from_secs(120));
+        assert_all_ok(&out, &format!("large messages, CCL_SHM_CMA={cma}"));
+    }
+}
+
+#[test]
 fn collectives_with_several_sockets_per_peer() {
     let mut e = env("60s");
     e.push(("CCL_NSOCKS", "3".into()));

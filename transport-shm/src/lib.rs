@@ -52,6 +52,9 @@ pub struct ShmOptions {
     pub timeout: Duration,
     /// How waiting threads poll before they sleep.
     pub spin: Spin,
+    /// Read large messages straight from the peer's memory where the kernel
+    /// allows it (`false`: always copy through the ring).
+    pub cma: bool,
 }
 
 impl Default for ShmOptions {
@@ -65,6 +68,7 @@ impl Default for ShmOptions {
                 yield_between: false,
                 repoll: false,
             },
+            cma: true,
         }
     }
 }
@@ -206,7 +210,7 @@ pub fn connect(
     let link_to = |p: usize, seg: Segment, o: &Offer| -> Result<Arc<dyn Link>> {
         let peer_bell = Bell::new(&o.bell)
             .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
-        let can_read = probe_cma(Pid::from_raw(o.pid), o.base);
+        let can_read = opts.cma && probe_cma(Pid::from_raw(o.pid), o.base);
         seg.word(link::side(usize::from(rank > p)) + CMA_OK)
             .store(if can_read { 1 } else { 2 }, Ordering::Release);
         Ok(Arc::new(ShmLink::new(

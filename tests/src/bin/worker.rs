@@ -734,6 +734,36 @@ fn main() {
                 }
             }
         }
+        "large" => {
+            // Messages far above the shared-memory by-reference threshold.
+            let (n, r) = (comm.world_size(), comm.rank());
+            let len = 1usize << 20;
+            let mut v = vec![(r + 1) as f32; len];
+            if ck
+                .ok("large allreduce", comm.allreduce(&mut v, ReduceOp::Sum))
+                .is_some()
+            {
+                let want = (n * (n + 1) / 2) as f32;
+                ck.vec("large allreduce", &v, |_| want, len);
+            }
+            let mut b: Vec<f32> = (0..len)
+                .map(|i| if r == 0 { (i % 1000) as f32 } else { -1.0 })
+                .collect();
+            if ck
+                .ok("large broadcast", comm.broadcast(&mut b, 0))
+                .is_some()
+            {
+                ck.vec("large broadcast", &b, |i| (i % 1000) as f32, len);
+            }
+            let mine: Vec<f32> = (0..len).map(|i| (r * len + i) as f32).collect();
+            let mut all = vec![0.0f32; len * n];
+            if ck
+                .ok("large allgather", comm.allgather_into(&mine, &mut all))
+                .is_some()
+            {
+                ck.vec("large allgather", &all, |i| i as f32, len * n);
+            }
+        }
         "repeat" => {
             // Allreduces until one fails (a link is cut from outside), then
             // prints the error.
