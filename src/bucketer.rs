@@ -1,87 +1,5 @@
-//! Bucketed gradient fusion: what PyTorch DDP's reducer and Horovod's tensor
-//! fusion do.
-//!
-//! A data-parallel training step produces many gradients of mixed sizes, one
-//! after another, during the backward pass. Reducing each on its own costs one
-//! collective's latency per tensor; reducing them all at the end wastes the
-//! time the backward pass could have overlapped with communication. A
-//! [`Bucketer`] packs the tensors into *buckets* of at most `cap` bytes and
-//! starts a bucket's allreduce as soon as every tensor in it is ready.
-//!
-//! # How to use it
-//!
-//! 1. Register every tensor once, with its element type and length, in the
-//!    order its gradient is expected to become ready (for a backward pass: the
-//!    reverse of the forward order). [`Bucketer::register`] returns a
-//!    [`TensorId`]. Every rank must register the same tensors in the same order.
-//! 2. Each step, hand every gradient over as an owned `Vec` with
-//!    [`Bucketer::ready`], in any order (ranks may differ in the order). The
-//!    bucketer copies it into its bucket at once, and when a bucket is full it
-//!    launches the bucket's allreduce on the communicator.
-//! 3. [`Bucketer::finish`] returns one [`Work`] for the whole set. It yields
-//!    [`Reduced`], from which [`Reduced::take`] gives back each original `Vec`
-//!    (same allocation) holding the reduced values.
-//!
-//! ```no_run
-//! use ccl::{Bucketer, Communicator, ReduceOp};
-//! let comm = Communicator::from_env()?;
-//! let mut b = Bucketer::new(&comm, ReduceOp::Avg);
-//! let w = b.register::<f32>(1 << 20)?;
-//! let bias = b.register::<f32>(256)?;
-//! for _step in 0..3 {
-//!     // ... backward pass: gradients appear ...
-//!     b.ready(bias, vec![0.5f32; 256])?;
-//!     b.ready(w, vec![1.0f32; 1 << 20])?;
-//!     let mut out = b.finish().wait()?;
-//!     let w_grad: Vec<f32> = out.take(w)?;
-//!     let bias_grad: Vec<f32> = out.take(bias)?;
-//!     # let _ = (w_grad, bias_grad);
-//! }
-//! # Ok::<(), ccl::Error>(())
-//! ```
-//!
-//! # Buckets
-//!
-//! Buckets are formed once, from the registration order alone, so every rank
-//! builds the same buckets: tensors of one element type go into that type's
-//! open bucket while it stays within `cap` bytes (default 25 MiB, as DDP);
-//! the next tensor that does not fit closes it and opens a new one. A tensor
-//! larger than `cap` gets a bucket of its own. Buckets are numbered in the
-//! order they were opened, and bucket `i` is launched only after buckets
-//! `0..i` were, so every rank issues the same allreduces in the same order
-//! whatever order its gradients arrive in. A bucket holding a single tensor
-//! reduces that tensor's `Vec` directly, without copying. [`Bucketer::with_buckets`]
-//! sets the buckets explicitly instead.
-//!
-//! # Zero copy: gradients written into the buckets
-//!
-//! As DDP's `gradient_as_bucket_view`, a tensor can live in its bucket:
-//! [`Bucketer::view_mut`] gives its place in the bucket to write the gradient
-//! into, [`Bucketer::mark_ready`] hands it over without a copy, and after the
-//! step's `Work` completed [`Bucketer::view`] reads the reduced values. Both
-//! forms may be mixed within a step; every tensor is handed over once per
-//! step, by one or the other.
-//!
-//! # Accumulation without communication (`no_sync`)
-//!
-//! After [`Bucketer::set_no_sync`]`(true)`, steps do not communicate: `ready`
-//! adds each gradient into the bucketer's own accumulator and `finish` hands
-//! the tensors back unchanged at once. The first step after
-//! `set_no_sync(false)` reduces the sum of the gradients of every step since
-//! the last synchronised one (as DDP's `no_sync()` context). A caller that
-//! accumulates gradients itself can instead simply skip the bucketer in the
-//! steps it does not want to synchronise.
-//!
-//! # Rules
-//!
-//! Between the first `ready` of a step and its `finish`, do not issue other
-//! collectives on the communicator whose order could differ between ranks:
-//! bucket launches interleave with them. Misuse (an unknown id, a tensor
-//! marked twice in one step, a wrong length or element type, a bucket that
-//! mixes element types, registering after the first step, finishing before
-//! every tensor is ready) returns [`Error::InvalidArgument`] and leaves the
-//! step as it was, so the caller can correct it. A rejected `ready` drops the
-//! `Vec` it was given.
+//! [`Bucketer`]: bucketed gradient fusion, what PyTorch DDP's reducer and
+//! Horovod's tensor fusion do.
 
 use std::{
     any::Any,
@@ -271,8 +189,90 @@ enum Msg {
     Finish(Completer<Reduced>),
 }
 
-/// Packs tensors into buckets and reduces each bucket with one allreduce as
-/// soon as all its tensors are ready. See the [module documentation](self).
+/// Bucketed gradient fusion: what PyTorch DDP's reducer and Horovod's tensor
+/// fusion do.
+///
+/// A data-parallel training step produces many gradients of mixed sizes, one
+/// after another, during the backward pass. Reducing each on its own costs one
+/// collective's latency per tensor; reducing them all at the end wastes the
+/// time the backward pass could have overlapped with communication. A
+/// [`Bucketer`] packs the tensors into *buckets* of at most `cap` bytes and
+/// starts a bucket's allreduce as soon as every tensor in it is ready.
+///
+/// # How to use it
+///
+/// 1. Register every tensor once, with its element type and length, in the
+///    order its gradient is expected to become ready (for a backward pass: the
+///    reverse of the forward order). [`Bucketer::register`] returns a
+///    [`TensorId`]. Every rank must register the same tensors in the same order.
+/// 2. Each step, hand every gradient over as an owned `Vec` with
+///    [`Bucketer::ready`], in any order (ranks may differ in the order). The
+///    bucketer copies it into its bucket at once, and when a bucket is full it
+///    launches the bucket's allreduce on the communicator.
+/// 3. [`Bucketer::finish`] returns one [`Work`] for the whole set. It yields
+///    [`Reduced`], from which [`Reduced::take`] gives back each original `Vec`
+///    (same allocation) holding the reduced values.
+///
+/// ```no_run
+/// use ccl::{Bucketer, Communicator, ReduceOp};
+/// let comm = Communicator::from_env()?;
+/// let mut b = Bucketer::new(&comm, ReduceOp::Avg);
+/// let w = b.register::<f32>(1 << 20)?;
+/// let bias = b.register::<f32>(256)?;
+/// for _step in 0..3 {
+///     // ... backward pass: gradients appear ...
+///     b.ready(bias, vec![0.5f32; 256])?;
+///     b.ready(w, vec![1.0f32; 1 << 20])?;
+///     let mut out = b.finish().wait()?;
+///     let w_grad: Vec<f32> = out.take(w)?;
+///     let bias_grad: Vec<f32> = out.take(bias)?;
+///     # let _ = (w_grad, bias_grad);
+/// }
+/// # Ok::<(), ccl::Error>(())
+/// ```
+///
+/// # Buckets
+///
+/// Buckets are formed once, from the registration order alone, so every rank
+/// builds the same buckets: tensors of one element type go into that type's
+/// open bucket while it stays within `cap` bytes (default 25 MiB, as DDP);
+/// the next tensor that does not fit closes it and opens a new one. A tensor
+/// larger than `cap` gets a bucket of its own. Buckets are numbered in the
+/// order they were opened, and bucket `i` is launched only after buckets
+/// `0..i` were, so every rank issues the same allreduces in the same order
+/// whatever order its gradients arrive in. A bucket holding a single tensor
+/// reduces that tensor's `Vec` directly, without copying. [`Bucketer::with_buckets`]
+/// sets the buckets explicitly instead.
+///
+/// # Zero copy: gradients written into the buckets
+///
+/// As DDP's `gradient_as_bucket_view`, a tensor can live in its bucket:
+/// [`Bucketer::view_mut`] gives its place in the bucket to write the gradient
+/// into, [`Bucketer::mark_ready`] hands it over without a copy, and after the
+/// step's `Work` completed [`Bucketer::view`] reads the reduced values. Both
+/// forms may be mixed within a step; every tensor is handed over once per
+/// step, by one or the other.
+///
+/// # Accumulation without communication (`no_sync`)
+///
+/// After [`Bucketer::set_no_sync`]`(true)`, steps do not communicate: `ready`
+/// adds each gradient into the bucketer's own accumulator and `finish` hands
+/// the tensors back unchanged at once. The first step after
+/// `set_no_sync(false)` reduces the sum of the gradients of every step since
+/// the last synchronised one (as DDP's `no_sync()` context). A caller that
+/// accumulates gradients itself can instead simply skip the bucketer in the
+/// steps it does not want to synchronise.
+///
+/// # Rules
+///
+/// Between the first `ready` of a step and its `finish`, do not issue other
+/// collectives on the communicator whose order could differ between ranks:
+/// bucket launches interleave with them. Misuse (an unknown id, a tensor
+/// marked twice in one step, a wrong length or element type, a bucket that
+/// mixes element types, registering after the first step, finishing before
+/// every tensor is ready) returns [`Error::InvalidArgument`] and leaves the
+/// step as it was, so the caller can correct it. A rejected `ready` drops the
+/// `Vec` it was given.
 pub struct Bucketer<'c> {
     comm: &'c Communicator,
     op: ReduceOp,
