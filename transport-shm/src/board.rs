@@ -21,7 +21,7 @@
 //! ... + 64 + slot bytes  slot 1: the same
 //! ```
 //!
-//! A waiter polls for the spin window, then sleeps on the futex word `wake`
+//! A waiter polls for the spin window (adapted as [`crate::window`] says), then sleeps on the futex word `wake`
 //! of the rank it waits for, after counting itself in `sleepers`; a rank that
 //! publishes wakes that word only when someone sleeps on it. Sleeps last at
 //! most [`SLICE`], after which the waiter checks that the peer's process
@@ -36,7 +36,7 @@ use std::{
 
 use ccl_core::{frame::HEADER_LEN, Error, FrameHeader, Result, Spin, Store};
 
-use crate::segment::Segment;
+use crate::{segment::Segment, window::SpinWindow};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD01");
 const HEAD: usize = 64;
@@ -73,6 +73,7 @@ pub struct Board {
     /// Readable once peer `p` exits; `None` for this rank or without pidfds.
     exits: Vec<Option<OwnedFd>>,
     spin: Spin,
+    window: SpinWindow,
 }
 
 impl std::fmt::Debug for Board {
@@ -291,9 +292,15 @@ impl Round<'_> {
         }
         let bd = self.board;
         let started = Instant::now();
+        let window = bd.window.get();
+        let mut asleep: Option<Instant> = None;
         let mut polls = 0u32;
         loop {
             if ready() {
+                match asleep {
+                    None => bd.window.caught(),
+                    Some(t) => bd.window.slept(t.elapsed()),
+                }
                 return Ok(());
             }
             polls += 1;
@@ -306,7 +313,7 @@ impl Round<'_> {
                 continue;
             }
             let now = Instant::now();
-            if now.duration_since(started) < bd.spin.window {
+            if now.duration_since(started) < window {
                 continue;
             }
             let lost = |cause: &str| Error::PeerLost {
@@ -349,6 +356,7 @@ impl Round<'_> {
                     after: self.timeout,
                 });
             }
+            asleep.get_or_insert(now);
             let wake = bd.word32(p, WAKE);
             let sleepers = bd.word32(p, SLEEPERS);
             sleepers.fetch_add(1, Ordering::SeqCst);
@@ -472,6 +480,7 @@ pub fn connect_board(
         calls: AtomicU64::new(0),
         exits: Vec::new(),
         spin,
+        window: SpinWindow::new(spin.window),
     };
     board.exits = (0..n)
         .map(|p| {

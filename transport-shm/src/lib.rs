@@ -18,6 +18,7 @@ mod board;
 mod doorbell;
 mod link;
 mod segment;
+mod window;
 
 use std::{
     path::{Path, PathBuf},

@@ -53,6 +53,7 @@ use tokio::io::unix::AsyncFd;
 use crate::{
     doorbell::{Bell, Doorbell},
     segment::Segment,
+    window::SpinWindow,
 };
 
 /// Bytes before the rings.
@@ -130,6 +131,7 @@ pub(crate) struct ShmLink {
     mid_frame: AtomicBool,
     aborted: AtomicBool,
     spin: Spin,
+    window: SpinWindow,
 }
 
 impl std::fmt::Debug for ShmLink {
@@ -192,6 +194,7 @@ impl ShmLink {
             mid_frame: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             spin,
+            window: SpinWindow::new(spin.window),
         }
     }
 
@@ -260,10 +263,13 @@ impl ShmLink {
             return Ok(());
         }
         let started = Instant::now();
+        let window = self.window.get();
+        let mut asleep: Option<Instant> = None;
         let mut rung: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
         let mut exited: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
         poll_fn(|cx| loop {
             if ready() {
+                self.waited(asleep);
                 return Poll::Ready(Ok(()));
             }
             if self.aborted.load(Ordering::Acquire) {
@@ -275,7 +281,7 @@ impl ShmLink {
             if ccl_core::repolling() {
                 return Poll::Pending;
             }
-            if started.elapsed() < self.spin.window {
+            if started.elapsed() < window {
                 if self.spin.yield_between {
                     std::thread::yield_now();
                 }
@@ -292,9 +298,11 @@ impl ShmLink {
                     return Poll::Ready(Err(self.lost("its process exited")));
                 }
             }
+            asleep.get_or_insert_with(Instant::now);
             self.word(self.me, WAITING).store(1, Ordering::SeqCst);
             fence(Ordering::SeqCst);
             if ready() {
+                self.waited(asleep);
                 return Poll::Ready(Ok(()));
             }
             let bell = rung.get_or_insert_with(|| Box::pin(self.bell.rung()));
@@ -307,6 +315,15 @@ impl ShmLink {
             }
         })
         .await
+    }
+
+    /// Adapts the spin window to a wait that ended, after sleeping since
+    /// `asleep` or while still polling.
+    fn waited(&self, asleep: Option<Instant>) {
+        match asleep {
+            None => self.window.caught(),
+            Some(t) => self.window.slept(t.elapsed()),
+        }
     }
 
     // ---- sending --------------------------------------------------------
