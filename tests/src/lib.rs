@@ -1,12 +1,47 @@
 //! Harness for ccl's multi-process tests: launches N real processes of a
-//! worker binary with torchrun-style variables and collects what they did.
+//! worker binary with torchrun-style variables and collects what they did;
+//! and runs ranks as threads of the test process.
 
 use std::{
     io::Read,
     process::{Child, Command, Stdio},
+    sync::Arc,
     thread,
     time::{Duration, Instant},
 };
+
+use ccl::{Communicator, Error, HashStore, Options, Store};
+
+/// Runs `f(comm)` on `n` ranks, each a thread of this process with its own
+/// communicator (all on one host, so they share memory as processes would).
+pub fn with_ranks<T: Send + 'static>(
+    n: usize,
+    options: Options,
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let store: Arc<dyn Store> = Arc::new(HashStore::new());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|rank| {
+            let (store, f, options) = (store.clone(), f.clone(), options.clone());
+            thread::spawn(move || {
+                f(Communicator::new(rank, n, store, options).expect("communicator"))
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect()
+}
+
+/// The message of an invalid-argument error; panics on anything else.
+pub fn invalid<T: std::fmt::Debug>(r: ccl::Result<T>) -> String {
+    match r {
+        Err(Error::InvalidArgument(m)) => m,
+        other => panic!("expected an invalid-argument error, got {other:?}"),
+    }
+}
 
 /// What one rank's process did.
 #[derive(Debug)]

@@ -9,35 +9,7 @@ use std::{
 };
 
 use ccl::{Communicator, Error, HashStore, Options, ReduceOp, Store};
-
-/// Runs `f(comm)` on `n` ranks, each a thread with its own communicator.
-fn with_ranks<T: Send + 'static>(
-    n: usize,
-    options: Options,
-    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let (store, f, options) = (store.clone(), f.clone(), options.clone());
-            thread::spawn(move || {
-                f(Communicator::new(rank, n, store, options).expect("communicator"))
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect()
-}
-
-fn invalid<T: std::fmt::Debug>(r: ccl::Result<T>) -> String {
-    match r {
-        Err(Error::InvalidArgument(m)) => m,
-        other => panic!("expected an invalid-argument error, got {other:?}"),
-    }
-}
+use ccl_tests::{invalid, with_ranks};
 
 #[test]
 fn bad_arguments_are_rejected_before_anything_is_sent() {

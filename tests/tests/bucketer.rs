@@ -6,8 +6,8 @@
 
 use std::{sync::Arc, thread, time::Duration};
 
-use ccl::{Bucketer, Communicator, Error, HashStore, Options, ReduceOp, Store, TensorId};
-use ccl_tests::{assert_all_ok, launch};
+use ccl::{Bucketer, Communicator, HashStore, Options, ReduceOp, Store, TensorId};
+use ccl_tests::{assert_all_ok, invalid, launch};
 
 #[path = "../src/bucketer_scenario.rs"]
 mod scenario;
@@ -23,27 +23,7 @@ fn with_ranks<T: Send + 'static>(
         timeout: Duration::from_secs(60),
         ..Options::default()
     };
-    let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|rank| {
-            let (store, f, options) = (store.clone(), f.clone(), options.clone());
-            thread::spawn(move || {
-                f(Communicator::new(rank, n, store, options).expect("communicator"))
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect()
-}
-
-fn invalid<T: std::fmt::Debug>(r: ccl::Result<T>) -> String {
-    match r {
-        Err(Error::InvalidArgument(m)) => m,
-        other => panic!("expected an invalid-argument error, got {other:?}"),
-    }
+    ccl_tests::with_ranks(n, options, f)
 }
 
 #[test]
