@@ -1,20 +1,26 @@
-//! Small collectives on the shared-memory board, when every rank of a
-//! communicator runs on this host: each rank posts its payload once, reads
-//! what the others posted, and computes its result locally. Every rank
-//! reduces in rank order, so all of them get the same bits.
+//! Collectives on the shared-memory board, when every rank of a
+//! communicator runs on this host.
 //!
-//! This runs on the caller's thread, without the executor or the runtime:
-//! at a few bytes the bookkeeping of a schedule costs more than the data.
+//! Small calls ([`Algorithm::Board`](ccl_algorithms::Algorithm::Board)):
+//! each rank posts its payload once, reads what the others posted, and
+//! computes its result locally. Every rank reduces in rank order, so all of
+//! them get the same bits.
+//!
+//! Allreduce of any size ([`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)):
+//! chunk by chunk of a slot, each rank posts its chunk, reduces block
+//! `rank` of it (1/n of the elements) from every rank's post in rank order,
+//! publishes that block, and copies every other rank's block. Each byte is
+//! reduced once on the whole host, by one rank, and moves through memory
+//! about three times per rank (post, reduce, copy out), with no per-message
+//! hand-shake.
+//!
+//! This runs on the caller's thread, without the executor or the runtime.
 
 use std::time::Duration;
 
 use ccl_algorithms::{Call, IoBuffers};
 use ccl_core::{op, CollectiveKind, DataType, Error, FrameHeader, ReduceOp, Result};
 use ccl_transport_shm::Board;
-
-/// Largest buffer a collective sends through the board (for allgather and
-/// gather: the whole output).
-pub(crate) const BOARD_MAX_BYTES: usize = ccl_transport_shm::BOARD_SLOT_BYTES;
 
 /// The arguments of one board call.
 #[derive(Clone, Copy, Debug)]
@@ -24,21 +30,31 @@ pub(crate) struct BoardCall {
     pub count: usize,
     pub op: ReduceOp,
     pub root: usize,
+    /// Run as [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
+    /// (allreduce only), not as one post per rank.
+    pub direct: bool,
 }
 
 /// Whether a call of `kind` on `count` elements of `dtype` (counted as the
-/// collective counts them) over `n` ranks goes through the board.
-pub(crate) fn fits(kind: CollectiveKind, count: usize, dtype: DataType, n: usize) -> bool {
+/// collective counts them) over `n` ranks fits board slots of `slot` bytes
+/// (for allgather, gather and the like the whole output must fit).
+pub(crate) fn fits(
+    kind: CollectiveKind,
+    count: usize,
+    dtype: DataType,
+    n: usize,
+    slot: usize,
+) -> bool {
     let bytes = count * dtype.size();
     match kind {
         CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::Broadcast => {
-            bytes <= BOARD_MAX_BYTES
+            bytes <= slot
         }
         CollectiveKind::AllGather
         | CollectiveKind::Gather
         | CollectiveKind::ReduceScatter
         | CollectiveKind::Scatter
-        | CollectiveKind::AllToAll => bytes * n <= BOARD_MAX_BYTES,
+        | CollectiveKind::AllToAll => bytes * n <= slot,
         CollectiveKind::Barrier => true,
         CollectiveKind::SendRecv => false,
     }
@@ -54,8 +70,78 @@ impl BoardCall {
         io: &IoBuffers<'_>,
         timeout: Duration,
     ) -> Result<()> {
-        self.exchange(board, call, io, timeout)
-            .map_err(|e| e.in_call(&call.name()))
+        let run = if self.direct {
+            self.allreduce_direct(board, call, io, timeout)
+        } else {
+            self.exchange(board, call, io, timeout)
+        };
+        run.map_err(|e| e.in_call(&call.name()))
+    }
+
+    /// [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
+    /// (see the module docs). Chunks go as board calls numbered from step 1,
+    /// so that a rank running the one-post board (step 0) is a mismatch.
+    fn allreduce_direct(
+        &self,
+        board: &Board,
+        call: &Call,
+        io: &IoBuffers<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        if self.kind != CollectiveKind::AllReduce {
+            return Err(Error::Internal(format!(
+                "{} cannot run as board-direct",
+                call.name()
+            )));
+        }
+        let (n, me) = (call.world_size, call.rank);
+        let es = self.dtype.size();
+        let total = self.count * es;
+        let (input, output) = io.raw_parts();
+        if input.1 < total || output.1 < total {
+            return Err(Error::Internal(format!(
+                "{}: buffers of {} and {} bytes for {total}",
+                call.name(),
+                input.1,
+                output.1
+            )));
+        }
+        let chunk = (board.slot_bytes() / es * es).max(es);
+        let started = std::time::Instant::now();
+        let mut off = 0;
+        let mut step = 1u32;
+        loop {
+            let len = chunk.min(total - off);
+            let elems = len / es;
+            // Element range of rank p's block, in bytes.
+            let block = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
+            let header = FrameHeader::data(call.comm, call.seq, step, 0, call.fingerprint);
+            let round = board.begin(header, timeout.saturating_sub(started.elapsed()))?;
+            // SAFETY: the engine hands this call its buffers alone. This
+            // chunk of the input is read in full (posted) before its part of
+            // the output, which may be the same memory, is written; later
+            // chunks of the input are not touched.
+            round.post(unsafe { slice(input.0.add(off), len) })?;
+            let (lo, hi) = block(me);
+            // SAFETY: as above; no other slice of this range is alive.
+            let mine = unsafe { slice_mut(output.0.add(off + lo), hi - lo) };
+            self.reduce_all(&round, n, len, mine, lo..hi)?;
+            round.post_reduced(lo, mine)?;
+            for p in (0..n).filter(|&p| p != me) {
+                let (plo, phi) = block(p);
+                let from = round.read_reduced(p, plo, phi - plo)?;
+                // SAFETY: as above.
+                copy(
+                    unsafe { slice_mut(output.0.add(off + plo), phi - plo) },
+                    from,
+                );
+            }
+            off += len;
+            step += 1;
+            if off >= total {
+                return Ok(());
+            }
+        }
     }
 
     fn exchange(
@@ -114,13 +200,17 @@ impl BoardCall {
             Ok(unsafe { slice_mut(output.0, len) })
         };
         match self.kind {
-            CollectiveKind::AllReduce => self.reduce_all(&round, n, out_len(part)?, 0..part),
+            CollectiveKind::AllReduce => self.reduce_all(&round, n, part, out_len(part)?, 0..part),
             CollectiveKind::Reduce if is_root => {
-                self.reduce_all(&round, n, out_len(part)?, 0..part)
+                self.reduce_all(&round, n, part, out_len(part)?, 0..part)
             }
-            CollectiveKind::ReduceScatter => {
-                self.reduce_all(&round, n, out_len(part)?, me * part..(me + 1) * part)
-            }
+            CollectiveKind::ReduceScatter => self.reduce_all(
+                &round,
+                n,
+                part * n,
+                out_len(part)?,
+                me * part..(me + 1) * part,
+            ),
             CollectiveKind::Broadcast => {
                 let from = round.read(self.root, part)?;
                 copy(out_len(part)?, from);
@@ -162,15 +252,16 @@ impl BoardCall {
         }
     }
 
-    /// `out = Σ_r posted_r[range]` in rank order, then the op's last step.
+    /// `out = Σ_r posted_r[range]` in rank order, where every rank posted
+    /// `len` bytes, then the op's last step.
     fn reduce_all(
         &self,
         round: &ccl_transport_shm::Round<'_>,
         n: usize,
+        len: usize,
         out: &mut [u8],
         range: std::ops::Range<usize>,
     ) -> Result<()> {
-        let len = posted_len(self.kind, self.count * self.dtype.size(), n);
         let first = &round.read(0, len)?[range.clone()];
         if n == 1 {
             copy(out, first);
@@ -207,15 +298,6 @@ pub(crate) fn announce(board: &Board, call: &Call, timeout: Duration) -> Result<
         Ok(())
     };
     check().map_err(|e: Error| e.in_call(&call.name()))
-}
-
-/// Bytes every rank posts for a reduction.
-fn posted_len(kind: CollectiveKind, part: usize, n: usize) -> usize {
-    if kind == CollectiveKind::ReduceScatter {
-        part * n
-    } else {
-        part
-    }
 }
 
 /// Copies unless source and destination are the same memory (in place).

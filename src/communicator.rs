@@ -32,6 +32,8 @@ const PIECE_BYTES: usize = 512 * 1024;
 const SHM_PIECE_BYTES: usize = 4 << 20;
 /// Allreduces up to this size use recursive doubling (log2 n rounds); larger ones the ring.
 const SMALL_ALLREDUCE_BYTES: usize = 64 * 1024;
+/// Largest call that the board runs where the tuning table is silent.
+const DEFAULT_BOARD_BYTES: u64 = 16 * 1024;
 /// Schedules kept per communicator for repeated calls.
 const SCHEDULE_CACHE: usize = 64;
 
@@ -91,15 +93,6 @@ impl Default for Options {
 /// Polling window (`CCL_SPIN_US` overrides).
 const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
-/// Whether `algo` can run `kind` (the board where the call fits it; see
-/// [`Communicator::algorithm_for`]).
-fn implements(algo: Algorithm, kind: CollectiveKind) -> bool {
-    match algo {
-        Algorithm::Board => kind != CollectiveKind::SendRecv,
-        _ => Algorithm::for_kind(kind).contains(&algo),
-    }
-}
-
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
 fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
@@ -110,7 +103,7 @@ fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
             Some((kind, algo)) => {
                 let kind: CollectiveKind = kind.trim().parse().map_err(bad)?;
                 let algo: Algorithm = algo.trim().parse().map_err(bad)?;
-                if !implements(algo, kind) {
+                if !algo.implements(kind) {
                     return Err(bad(format!("{algo} does not implement {kind}")));
                 }
                 map.insert(kind, algo);
@@ -119,7 +112,7 @@ fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
                 let algo: Algorithm = part.parse().map_err(bad)?;
                 let kinds: Vec<CollectiveKind> = CollectiveKind::ALL
                     .into_iter()
-                    .filter(|&k| implements(algo, k))
+                    .filter(|&k| algo.implements(k))
                     .collect();
                 if kinds.is_empty() {
                     return Err(bad(format!("{algo} implements no collective")));
@@ -680,29 +673,35 @@ impl Communicator {
 
     /// The algorithm a call of `kind` on `count` elements of `dtype` uses:
     /// the `CCL_ALGO` override if any; else what the tuning table measured
-    /// best for this size, world size and kind of links; else the board where
-    /// the call fits it, recursive doubling for other small allreduces, and
-    /// the first algorithm of every other collective. The board is only ever
-    /// chosen where it exists (every rank on this host) and the call fits it.
+    /// best for this size, world size and kind of links; else the board for
+    /// calls up to 16 KiB, board-direct for larger allreduces, where there
+    /// is a board; recursive doubling for other small allreduces, and the
+    /// first algorithm of every other collective. The board algorithms are
+    /// only ever chosen where there is a board (every rank on this host) and
+    /// the call fits it.
     pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
-        let board = self.engine().has_board()
-            && kind != CollectiveKind::SendRecv
-            && board::fits(kind, count, dtype, self.world_size);
-        match self.algo.get(&kind) {
-            Some(Algorithm::Board) if board => return Algorithm::Board,
-            Some(Algorithm::Board) => {}
-            Some(&a) => return a,
-            None => {
-                let bytes = tuner::buffer_bytes(kind, count, dtype.size(), self.world_size);
-                match self.tuned.choose(kind, bytes) {
-                    Some(Algorithm::Board) if !board => {}
-                    Some(a) => return a,
-                    None => {}
-                }
-            }
+        let slot = self.engine().board_slot_bytes();
+        let can = |a: Algorithm| match a {
+            Algorithm::Board => slot.is_some_and(|s| {
+                kind != CollectiveKind::SendRecv
+                    && board::fits(kind, count, dtype, self.world_size, s)
+            }),
+            Algorithm::BoardDirect => slot.is_some() && a.implements(kind),
+            _ => true,
+        };
+        let bytes = tuner::buffer_bytes(kind, count, dtype.size(), self.world_size);
+        let chosen = match self.algo.get(&kind) {
+            Some(&a) => Some(a),
+            None => self.tuned.choose(kind, bytes),
+        };
+        if let Some(a) = chosen.filter(|&a| can(a)) {
+            return a;
         }
-        if board {
+        if bytes <= DEFAULT_BOARD_BYTES && can(Algorithm::Board) {
             return Algorithm::Board;
+        }
+        if can(Algorithm::BoardDirect) && Algorithm::BoardDirect.implements(kind) {
+            return Algorithm::BoardDirect;
         }
         match kind {
             CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
@@ -759,13 +758,14 @@ impl Communicator {
         inline: bool,
     ) {
         let algorithm = self.algorithm_for(req.kind, req.count, req.dtype);
-        let plan = if algorithm == Algorithm::Board {
+        let plan = if matches!(algorithm, Algorithm::Board | Algorithm::BoardDirect) {
             Plan::Board(BoardCall {
                 kind: req.kind,
                 dtype: req.dtype,
                 count: req.count,
                 op: req.op,
                 root: req.root,
+                direct: algorithm == Algorithm::BoardDirect,
             })
         } else {
             match self.schedule(&req, algorithm) {

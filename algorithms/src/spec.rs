@@ -39,11 +39,16 @@ pub enum Algorithm {
     /// its buffer once and reads the others' (small messages of every
     /// collective but send/recv). Not a schedule: the facade runs it.
     Board,
+    /// Direct on the board (allreduce of any size when every rank runs on
+    /// one host): chunk by chunk, each rank posts its chunk, reduces its 1/n
+    /// of it from every rank's post, publishes that, and copies the other
+    /// ranks' parts. Not a schedule: the facade runs it.
+    BoardDirect,
 }
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 12] = [
+    pub const ALL: [Algorithm; 13] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
@@ -56,6 +61,7 @@ impl Algorithm {
         Algorithm::DoubleBinaryTree,
         Algorithm::Direct,
         Algorithm::Board,
+        Algorithm::BoardDirect,
     ];
 
     /// Lower-case name.
@@ -73,12 +79,14 @@ impl Algorithm {
             Algorithm::DoubleBinaryTree => "dbtree",
             Algorithm::Direct => "direct",
             Algorithm::Board => "board",
+            Algorithm::BoardDirect => "board-direct",
         }
     }
 
     /// The schedule algorithms that implement `kind` (none for send/recv,
     /// which needs no schedule builder); the first is the default.
-    /// [`Algorithm::Board`] is not among them: it needs a board.
+    /// [`Algorithm::Board`] and [`Algorithm::BoardDirect`] are not among
+    /// them: they need a board.
     pub fn for_kind(kind: CollectiveKind) -> &'static [Algorithm] {
         match kind {
             CollectiveKind::AllReduce => &[
@@ -97,6 +105,17 @@ impl Algorithm {
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
             CollectiveKind::Barrier => &[Algorithm::Dissemination],
             CollectiveKind::SendRecv => &[],
+        }
+    }
+
+    /// Whether this algorithm can run `kind`. The board algorithms also
+    /// need a board (every rank on one host) and, for [`Algorithm::Board`],
+    /// a call that fits it.
+    pub fn implements(self, kind: CollectiveKind) -> bool {
+        match self {
+            Algorithm::Board => kind != CollectiveKind::SendRecv,
+            Algorithm::BoardDirect => kind == CollectiveKind::AllReduce,
+            a => Algorithm::for_kind(kind).contains(&a),
         }
     }
 }
@@ -232,7 +251,7 @@ mod tests {
             assert_eq!(a.name().parse::<Algorithm>(), Ok(a));
             assert_eq!(a.name().to_uppercase().parse::<Algorithm>(), Ok(a));
             assert!(
-                a == Algorithm::Board
+                matches!(a, Algorithm::Board | Algorithm::BoardDirect)
                     || CollectiveKind::ALL
                         .into_iter()
                         .any(|k| Algorithm::for_kind(k).contains(&a)),

@@ -119,11 +119,7 @@ impl Tuner {
                 ),
             };
             let algorithm: Algorithm = algorithm.parse().map_err(bad)?;
-            let implements = match algorithm {
-                Algorithm::Board => collective != CollectiveKind::SendRecv,
-                a => Algorithm::for_kind(collective).contains(&a),
-            };
-            if !implements {
+            if !algorithm.implements(collective) {
                 return Err(bad(format!("{algorithm} does not implement {collective}")));
             }
             entries.push(Entry {

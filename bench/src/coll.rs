@@ -116,13 +116,16 @@ impl Coll {
     }
 
     /// The algorithms ccl has for this collective (none to choose for
-    /// sendrecv): its schedules, then the shared-memory board, which runs
-    /// only where every rank shares the host and the message fits it (the
-    /// table names what ran instead otherwise).
+    /// sendrecv): its schedules, then the shared-memory board algorithms,
+    /// which run only where every rank shares the host (and, for the board,
+    /// the message fits it; the table names what ran instead otherwise).
     pub fn algorithms(self) -> Vec<Algorithm> {
-        let schedules = Algorithm::for_kind(self.kind());
-        let board = (!schedules.is_empty()).then_some(Algorithm::Board);
-        schedules.iter().copied().chain(board).collect()
+        let kind = self.kind();
+        let schedules = Algorithm::for_kind(kind);
+        let boards = [Algorithm::Board, Algorithm::BoardDirect]
+            .into_iter()
+            .filter(move |a| !schedules.is_empty() && a.implements(kind));
+        schedules.iter().copied().chain(boards).collect()
     }
 }
 

@@ -394,11 +394,11 @@ fn reports_are_written_and_well_formed() {
     let v = read_json(&json);
     let rows = v["rows"].as_array().unwrap();
     // 1K, 4K, 16K, 64K, 256K, each with every allreduce algorithm in turn:
-    // the schedules, then the board (two local ranks share memory).
+    // the schedules, then the board algorithms (two local ranks share memory).
     let every: Vec<&str> = ccl_algorithms::Algorithm::for_kind(ccl::CollectiveKind::AllReduce)
         .iter()
         .map(|a| a.name())
-        .chain(["board"])
+        .chain(["board", "board-direct"])
         .collect();
     assert_eq!(rows.len(), 5 * every.len(), "{rows:?}");
     let algos: Vec<&str> = rows.iter().map(|r| r["algo"].as_str().unwrap()).collect();

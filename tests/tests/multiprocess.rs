@@ -114,6 +114,8 @@ fn collectives_with_every_algorithm_forced() {
         ),
         (6, "allreduce=dbtree"),
         (5, "allreduce=direct"),
+        (3, "allreduce=board-direct"),
+        (4, "allreduce=board-direct"),
     ] {
         let mut e = env("60s");
         e.push(("CCL_ALGO", algo.into()));

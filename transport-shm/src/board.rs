@@ -11,14 +11,20 @@
 //! cache line per rank replace the messages of a recursive-doubling
 //! allreduce.
 //!
+//! A call may have a second phase: a rank overwrites a part of its own slot
+//! that no peer reads (its result for the part of the payload it reduced) and
+//! publishes `b` in the slot's second word; the others wait for that word and
+//! copy the part ([`Round::post_reduced`], [`Round::read_reduced`]).
+//!
 //! Layout (little-endian words):
 //!
 //! ```text
 //! 0                      magic, ranks, slot bytes
 //! 64 + r·area            rank r: sleepers u32, wake u32, left u32, pid u32, blame u32
 //! 64 + r·area + 64       slot 0: call number u64, frame header (56 bytes)
+//! ... + 64               slot 0: reduced call number u64
 //! ... + 128              slot 0 payload (slot bytes)
-//! ... + 64 + slot bytes  slot 1: the same
+//! ... + 128 + slot bytes slot 1: the same
 //! ```
 //!
 //! A waiter polls for the spin window (adapted as [`crate::window`] says), then sleeps on the futex word `wake`
@@ -59,8 +65,19 @@ const ABORTED: u32 = 1;
 /// Value of `left`: the rank dropped the communicator.
 const CLOSED: u32 = 2;
 
-/// Payload bytes per slot.
-pub const BOARD_SLOT_BYTES: usize = 16 * 1024;
+/// Largest payload of a slot: chunks of this size stay in a core's L2 cache.
+const MAX_SLOT_BYTES: usize = 256 * 1024;
+/// Smallest payload of a slot.
+const MIN_SLOT_BYTES: usize = 16 * 1024;
+/// Largest board: the slots of all ranks together.
+const MAX_BOARD_BYTES: usize = 32 << 20;
+
+/// Payload bytes per slot of a board for `n` ranks: 256 KiB, less for more
+/// than 64 ranks so that the board stays within 32 MiB, never below 16 KiB.
+pub fn board_slot_bytes(n: usize) -> usize {
+    let fair = MAX_BOARD_BYTES / (2 * n.max(1)) / 4096 * 4096;
+    fair.clamp(MIN_SLOT_BYTES, MAX_SLOT_BYTES)
+}
 
 /// A board shared by every rank of one communicator (see the module docs).
 pub struct Board {
@@ -82,8 +99,11 @@ impl std::fmt::Debug for Board {
     }
 }
 
+/// Bytes before a slot's payload: the call-number line, the reduced line.
+const SLOT_HEAD: usize = 2 * LINE;
+
 fn area(slot: usize) -> usize {
-    LINE + 2 * (LINE + slot)
+    LINE + 2 * (SLOT_HEAD + slot)
 }
 
 fn board_len(n: usize, slot: usize) -> usize {
@@ -150,7 +170,22 @@ impl Board {
 
     /// Offset of slot `s` of rank `r` (its call-number word).
     fn slot_at(&self, r: usize, s: usize) -> usize {
-        self.control(r) + LINE + s * (LINE + self.slot)
+        self.control(r) + LINE + s * (SLOT_HEAD + self.slot)
+    }
+
+    /// Board call number whose reduced part rank `r` last published in slot `s`.
+    fn reduced(&self, r: usize, s: usize) -> u64 {
+        self.seg.load(self.slot_at(r, s) + LINE)
+    }
+
+    /// Wakes the ranks sleeping on this rank's futex word, if any.
+    fn wake_sleepers(&self) {
+        fence(Ordering::SeqCst);
+        if self.word32(self.rank, SLEEPERS).load(Ordering::Relaxed) > 0 {
+            let wake = self.word32(self.rank, WAKE);
+            wake.fetch_add(1, Ordering::SeqCst);
+            futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
+        }
     }
 
     /// Board call number last published in slot `s` of rank `r`.
@@ -238,16 +273,60 @@ impl Round<'_> {
         unsafe {
             let base = bd.seg.base().add(at);
             std::ptr::copy_nonoverlapping(header.encode().as_ptr(), base.add(8), HEADER_LEN);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(LINE), data.len());
+            std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(SLOT_HEAD), data.len());
         }
         bd.seg.word(at).store(self.b, Ordering::Release);
-        fence(Ordering::SeqCst);
-        if bd.word32(bd.rank, SLEEPERS).load(Ordering::Relaxed) > 0 {
-            let wake = bd.word32(bd.rank, WAKE);
-            wake.fetch_add(1, Ordering::SeqCst);
-            futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
-        }
+        bd.wake_sleepers();
         Ok(())
+    }
+
+    /// The second phase of a call: copies `data` to `offset` of this rank's
+    /// posted payload and publishes it as this rank's reduced part. The range
+    /// must be one that no peer reads in the first phase.
+    pub fn post_reduced(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let bd = self.board;
+        if offset + data.len() > bd.slot {
+            return Err(Error::Internal(format!(
+                "bytes {offset}..{} do not fit a {}-byte board slot",
+                offset + data.len(),
+                bd.slot
+            )));
+        }
+        let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
+        // SAFETY: this rank's own slot; the caller writes a range that peers
+        // do not read until the reduced number below is published.
+        unsafe {
+            let base = bd.seg.base().add(at + SLOT_HEAD + offset);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), base, data.len());
+        }
+        bd.seg.word(at + LINE).store(self.b, Ordering::Release);
+        bd.wake_sleepers();
+        Ok(())
+    }
+
+    /// Waits for rank `r` to publish its reduced part of this call and
+    /// returns bytes `offset..offset + len` of its payload.
+    pub fn read_reduced(&self, r: usize, offset: usize, len: usize) -> Result<&[u8]> {
+        let bd = self.board;
+        let s = (self.b % 2) as usize;
+        if offset + len > bd.slot {
+            return Err(Error::Internal(format!(
+                "bytes {offset}..{} do not fit a {}-byte board slot",
+                offset + len,
+                bd.slot
+            )));
+        }
+        if r != bd.rank {
+            self.wait_for(r, || bd.reduced(r, s) >= self.b)?;
+        }
+        // SAFETY: published for this call; its owner does not write the slot
+        // again before this rank publishes its next call (see `begin`).
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                bd.seg.base().add(bd.slot_at(r, s) + SLOT_HEAD + offset),
+                len,
+            )
+        })
     }
 
     /// Waits for rank `r` to post this call and returns its payload, whose
@@ -265,7 +344,7 @@ impl Round<'_> {
             let base = bd.seg.base().add(at);
             (
                 std::slice::from_raw_parts(base.add(8), HEADER_LEN),
-                base.add(LINE),
+                base.add(SLOT_HEAD),
             )
         };
         let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
@@ -370,7 +449,8 @@ impl Round<'_> {
     }
 }
 
-/// Sets up the board of a communicator of `n` ranks that all run on this host.
+/// Sets up the board of a communicator of `n` ranks that all run on this
+/// host, with slots of [`board_slot_bytes`].
 ///
 /// Rank 0 creates the segment and offers it through `store`; the others map
 /// it; every rank reports through the store, and once all have, rank 0
@@ -385,9 +465,9 @@ pub fn connect_board(
     timeout: Duration,
     spin: Spin,
 ) -> Result<std::result::Result<Board, String>> {
+    let slot = board_slot_bytes(n);
     let deadline = Instant::now() + timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
-    let slot = BOARD_SLOT_BYTES;
     let len = board_len(n, slot);
     let mapped: std::result::Result<(Segment, PathBuf), String> = if rank == 0 {
         let name = format!(

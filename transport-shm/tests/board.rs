@@ -54,6 +54,45 @@ fn ranks<T: Send + 'static>(
         .collect()
 }
 
+/// The two-phase calls of the split allreduce: each rank posts a payload,
+/// overwrites its own block of it with a result, and everyone reads every
+/// rank's result block; over many rounds, both slots reused.
+#[test]
+fn every_rank_reads_every_reduced_part_over_many_rounds() {
+    for n in [2, 3, 4] {
+        ranks(n, move |rank, board| {
+            let len = board.slot_bytes();
+            let block = len / n;
+            for round in 0..200u64 {
+                let mine = vec![(rank as u8) ^ round as u8; len];
+                let r = board
+                    .begin(header(round, len), Duration::from_secs(10))
+                    .unwrap();
+                r.post(&mine).unwrap();
+                // Phase 1: every rank's block `rank` of every payload.
+                let mut sum = vec![0u8; block];
+                for p in 0..n {
+                    let got = &r.read(p, len).unwrap()[rank * block..(rank + 1) * block];
+                    assert!(got.iter().all(|&b| b == (p as u8) ^ round as u8));
+                    for (s, g) in sum.iter_mut().zip(got) {
+                        *s = s.wrapping_add(*g);
+                    }
+                }
+                r.post_reduced(rank * block, &sum).unwrap();
+                // Phase 2: every rank's result.
+                for p in 0..n {
+                    let want: u8 = (0..n).fold(0u8, |a, q| a.wrapping_add((q as u8) ^ round as u8));
+                    let got = r.read_reduced(p, p * block, block).unwrap();
+                    assert!(
+                        got.iter().all(|&b| b == want),
+                        "rank {rank} round {round} from {p}"
+                    );
+                }
+            }
+        });
+    }
+}
+
 #[test]
 fn every_rank_reads_every_post_over_many_rounds() {
     for n in [2, 3, 5] {
