@@ -10,7 +10,8 @@ use std::{
 };
 
 use ccl_algorithms::{
-    tuner, Action, Algorithm, BufId, Builder, Call, IoBuffers, Links, Region, Schedule, Spec, Tuner,
+    tuner, Action, Algorithm, BufId, Builder, Call, Choice, IoBuffers, Links, Region, Schedule,
+    Spec, Tuner,
 };
 use ccl_core::{
     op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
@@ -95,24 +96,24 @@ const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
-fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Algorithm>> {
+fn parse_algo(spec: &str) -> Result<HashMap<CollectiveKind, Choice>> {
     let bad = |m: String| Error::Config(format!("CCL_ALGO={spec:?}: {m}"));
     let mut map = HashMap::new();
     for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
         match part.split_once('=') {
             Some((kind, algo)) => {
                 let kind: CollectiveKind = kind.trim().parse().map_err(bad)?;
-                let algo: Algorithm = algo.trim().parse().map_err(bad)?;
-                if !algo.implements(kind) {
-                    return Err(bad(format!("{algo} does not implement {kind}")));
+                let algo: Choice = algo.trim().parse().map_err(bad)?;
+                if !algo.algorithm.implements(kind) {
+                    return Err(bad(format!("{} does not implement {kind}", algo.algorithm)));
                 }
                 map.insert(kind, algo);
             }
             None => {
-                let algo: Algorithm = part.parse().map_err(bad)?;
+                let algo: Choice = part.parse().map_err(bad)?;
                 let kinds: Vec<CollectiveKind> = CollectiveKind::ALL
                     .into_iter()
-                    .filter(|&k| algo.implements(k))
+                    .filter(|&k| algo.algorithm.implements(k))
                     .collect();
                 if kinds.is_empty() {
                     return Err(bad(format!("{algo} implements no collective")));
@@ -328,7 +329,7 @@ fn comm_id(prefix: &str, secret: Option<&ccl_core::JobSecret>) -> u64 {
 }
 
 /// What a cached schedule depends on besides the communicator: kind, algorithm, count, root, finalize.
-type ScheduleKey = (CollectiveKind, Algorithm, usize, usize, bool);
+type ScheduleKey = (CollectiveKind, Choice, usize, usize, bool);
 
 /// One call's arguments, before they become a schedule.
 #[derive(Clone, Copy, Debug)]
@@ -362,7 +363,7 @@ pub struct Communicator {
     p2p_seq: Mutex<HashMap<(usize, bool), u64>>,
     splits: AtomicU64,
     schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
-    algo: HashMap<CollectiveKind, Algorithm>,
+    algo: HashMap<CollectiveKind, Choice>,
     /// Largest piece a schedule moves at once.
     piece_bytes: usize,
     /// The tuning table's lines for this world size and kind of links.
@@ -680,6 +681,13 @@ impl Communicator {
     /// only ever chosen where there is a board (every rank on this host) and
     /// the call fits it.
     pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
+        self.choice_for(kind, count, dtype).algorithm
+    }
+
+    /// [`Communicator::algorithm_for`] with the piece size the table or
+    /// `CCL_ALGO` asked for (`ring/128K`); `None` is this communicator's
+    /// default for its links.
+    pub fn choice_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Choice {
         let slot = self.engine().board_slot_bytes();
         let can = |a: Algorithm| match a {
             Algorithm::Board => slot.is_some_and(|s| {
@@ -691,32 +699,33 @@ impl Communicator {
         };
         let bytes = tuner::buffer_bytes(kind, count, dtype.size(), self.world_size);
         let chosen = match self.algo.get(&kind) {
-            Some(&a) => Some(a),
+            Some(&c) => Some(c),
             None => self.tuned.choose(kind, bytes),
         };
-        if let Some(a) = chosen.filter(|&a| can(a)) {
-            return a;
+        if let Some(c) = chosen.filter(|c| can(c.algorithm)) {
+            return c;
         }
-        if bytes <= DEFAULT_BOARD_BYTES && can(Algorithm::Board) {
-            return Algorithm::Board;
-        }
-        if can(Algorithm::BoardDirect) && Algorithm::BoardDirect.implements(kind) {
-            return Algorithm::BoardDirect;
-        }
-        match kind {
-            CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
-                Algorithm::RecursiveDoubling
+        let algorithm = if bytes <= DEFAULT_BOARD_BYTES && can(Algorithm::Board) {
+            Algorithm::Board
+        } else if can(Algorithm::BoardDirect) && Algorithm::BoardDirect.implements(kind) {
+            Algorithm::BoardDirect
+        } else {
+            match kind {
+                CollectiveKind::AllReduce if count * dtype.size() <= SMALL_ALLREDUCE_BYTES => {
+                    Algorithm::RecursiveDoubling
+                }
+                _ => Algorithm::for_kind(kind)
+                    .first()
+                    .copied()
+                    .unwrap_or(Algorithm::Ring),
             }
-            _ => Algorithm::for_kind(kind)
-                .first()
-                .copied()
-                .unwrap_or(Algorithm::Ring),
-        }
+        };
+        algorithm.into()
     }
 
-    fn schedule(&self, req: &Request, algorithm: Algorithm) -> Result<Arc<Schedule>> {
+    fn schedule(&self, req: &Request, choice: Choice) -> Result<Arc<Schedule>> {
         let finalize = req.op == ReduceOp::Avg;
-        let key = (req.kind, algorithm, req.count, req.root, finalize);
+        let key = (req.kind, choice, req.count, req.root, finalize);
         let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = cache.get(&key) {
             return Ok(s.clone());
@@ -728,9 +737,9 @@ impl Communicator {
             count: req.count,
             root: req.root,
             finalize,
-            piece_elems: (self.piece_bytes / req.dtype.size()).max(1),
+            piece_elems: (choice.piece_bytes.unwrap_or(self.piece_bytes) / req.dtype.size()).max(1),
         };
-        let schedule = Arc::new(spec.build(algorithm).map_err(Error::Internal)?);
+        let schedule = Arc::new(spec.build(choice.algorithm).map_err(Error::Internal)?);
         if cache.len() >= SCHEDULE_CACHE {
             cache.clear();
         }
@@ -757,7 +766,8 @@ impl Communicator {
         done: Box<dyn FnOnce(Result<()>) + Send>,
         inline: bool,
     ) {
-        let algorithm = self.algorithm_for(req.kind, req.count, req.dtype);
+        let choice = self.choice_for(req.kind, req.count, req.dtype);
+        let algorithm = choice.algorithm;
         let plan = if matches!(algorithm, Algorithm::Board | Algorithm::BoardDirect) {
             Plan::Board(BoardCall {
                 kind: req.kind,
@@ -768,7 +778,7 @@ impl Communicator {
                 direct: algorithm == Algorithm::BoardDirect,
             })
         } else {
-            match self.schedule(&req, algorithm) {
+            match self.schedule(&req, choice) {
                 Ok(s) => Plan::Schedule(s),
                 Err(e) => return done(Err(e)),
             }
@@ -783,7 +793,7 @@ impl Communicator {
             world_size: self.world_size,
             op: req.op,
         };
-        tracing::debug!(rank = self.rank, call = %call.name(), %algorithm, "collective");
+        tracing::debug!(rank = self.rank, call = %call.name(), algorithm = %choice, "collective");
         // Sequence numbers must follow execution order: keep the lock while
         // the job is queued (or, inline, runs).
         self.engine().submit(
@@ -1531,24 +1541,26 @@ mod tests {
 
     #[test]
     fn algo_overrides() {
+        let get = |m: &HashMap<CollectiveKind, Choice>, k| m.get(&k).map(|c| c.to_string());
         let m = parse_algo("ring").unwrap();
-        assert_eq!(m.get(&CollectiveKind::AllReduce), Some(&Algorithm::Ring));
-        assert_eq!(m.get(&CollectiveKind::AllGather), Some(&Algorithm::Ring));
-        assert_eq!(m.get(&CollectiveKind::Broadcast), None);
-        let m = parse_algo("allreduce=rd, broadcast=tree").unwrap();
+        assert_eq!(get(&m, CollectiveKind::AllReduce).as_deref(), Some("ring"));
+        assert_eq!(get(&m, CollectiveKind::AllGather).as_deref(), Some("ring"));
+        assert_eq!(get(&m, CollectiveKind::Broadcast), None);
+        let m = parse_algo("allreduce=rd, broadcast=tree, allgather=ring/256K").unwrap();
+        assert_eq!(get(&m, CollectiveKind::AllReduce).as_deref(), Some("rd"));
+        assert_eq!(get(&m, CollectiveKind::Broadcast).as_deref(), Some("tree"));
         assert_eq!(
-            m.get(&CollectiveKind::AllReduce),
-            Some(&Algorithm::RecursiveDoubling)
-        );
-        assert_eq!(
-            m.get(&CollectiveKind::Broadcast),
-            Some(&Algorithm::BinomialTree)
+            m.get(&CollectiveKind::AllGather)
+                .and_then(|c| c.piece_bytes),
+            Some(256 << 10)
         );
         for bad in [
             "bogus",
             "allreduce=tree",
             "nothing=ring",
             "dissemination=ring",
+            "allreduce=ring/0",
+            "allreduce=board/1M",
         ] {
             assert!(matches!(parse_algo(bad), Err(Error::Config(_))), "{bad}");
         }

@@ -20,7 +20,7 @@ mod communicator;
 mod engine;
 
 pub use bucketer::{Bucketer, Reduced, TensorId, DEFAULT_BUCKET_CAP_BYTES};
-pub use ccl_algorithms::Algorithm;
+pub use ccl_algorithms::{Algorithm, Choice};
 pub use ccl_core::{
     bf16, config, f16, free_port, CollectiveKind, Config, DataType, Element, Error, FileStore,
     HashStore, JobSecret, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store,

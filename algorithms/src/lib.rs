@@ -22,5 +22,5 @@ mod tests;
 
 pub use executor::{execute, execute_within, Call, IoBuffers};
 pub use schedule::{Action, BufId, Builder, Op, Region, Schedule};
-pub use spec::{Algorithm, Spec};
+pub use spec::{Algorithm, Choice, Spec};
 pub use tuner::{Links, Tuner};

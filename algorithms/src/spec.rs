@@ -142,6 +142,70 @@ impl std::str::FromStr for Algorithm {
     }
 }
 
+/// What the tuner picks for a call: an algorithm and, for a schedule, the
+/// largest piece (bytes) one of its messages moves; `None` leaves the piece
+/// to the communicator (its default for the kind of links). Written `ring`,
+/// or `ring/128K` (K and M are 2^10 and 2^20, as in sizes elsewhere).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Choice {
+    pub algorithm: Algorithm,
+    pub piece_bytes: Option<usize>,
+}
+
+impl From<Algorithm> for Choice {
+    fn from(algorithm: Algorithm) -> Choice {
+        Choice {
+            algorithm,
+            piece_bytes: None,
+        }
+    }
+}
+
+impl fmt::Display for Choice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.algorithm.name())?;
+        match self.piece_bytes {
+            None => Ok(()),
+            Some(b) if b >= 1 << 20 && b % (1 << 20) == 0 => write!(f, "/{}M", b >> 20),
+            Some(b) if b >= 1 << 10 && b % (1 << 10) == 0 => write!(f, "/{}K", b >> 10),
+            Some(b) => write!(f, "/{b}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Choice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (name, piece) = match s.split_once('/') {
+            Some((name, piece)) => (name, Some(piece)),
+            None => (s, None),
+        };
+        let algorithm: Algorithm = name.trim().parse()?;
+        let Some(piece) = piece else {
+            return Ok(algorithm.into());
+        };
+        if matches!(algorithm, Algorithm::Board | Algorithm::BoardDirect) {
+            return Err(format!("{s}: {algorithm} has no piece size"));
+        }
+        let piece = piece.trim();
+        let (digits, unit) = match piece.as_bytes().last() {
+            Some(b'K' | b'k') => (&piece[..piece.len() - 1], 1 << 10),
+            Some(b'M' | b'm') => (&piece[..piece.len() - 1], 1 << 20),
+            _ => (piece, 1),
+        };
+        let bytes = digits
+            .parse::<usize>()
+            .ok()
+            .and_then(|d| d.checked_mul(unit))
+            .filter(|&b| b > 0)
+            .ok_or_else(|| format!("{s}: the piece size is not a positive size like 128K"))?;
+        Ok(Choice {
+            algorithm,
+            piece_bytes: Some(bytes),
+        })
+    }
+}
+
 /// One rank's view of a collective call.
 ///
 /// `count` is per the collective's definition: the buffer length for
@@ -262,6 +326,34 @@ mod tests {
     }
 
     /// The first algorithm of a collective is its default; new ones go after it.
+    #[test]
+    fn choices_parse_and_print() {
+        for (text, piece) in [
+            ("ring", None),
+            ("ring/128K", Some(128 << 10)),
+            ("ring/4M", Some(4 << 20)),
+            ("rd/1000", Some(1000)),
+        ] {
+            let c: Choice = text.parse().unwrap();
+            assert_eq!(c.piece_bytes, piece, "{text}");
+            assert_eq!(c.to_string(), text);
+        }
+        assert_eq!(
+            "ring/1024".parse::<Choice>().unwrap().to_string(),
+            "ring/1K"
+        );
+        for bad in [
+            "ring/",
+            "ring/0",
+            "ring/x",
+            "board/1M",
+            "nope/1M",
+            "ring/99999999999999999999M",
+        ] {
+            assert!(bad.parse::<Choice>().is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn defaults_stay() {
         let first = |k| Algorithm::for_kind(k).first().copied();

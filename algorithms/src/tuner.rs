@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 use ccl_core::CollectiveKind;
 
-use crate::Algorithm;
+use crate::Choice;
 
 /// How a communicator's ranks are linked, as far as the tuner tells apart.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +48,7 @@ pub struct Entry {
     pub ranks: usize,
     /// Largest buffer (bytes) this line covers; `None`: any size.
     pub up_to_bytes: Option<u64>,
-    pub algorithm: Algorithm,
+    pub choice: Choice,
 }
 
 /// A parsed tuning table.
@@ -118,16 +118,19 @@ impl Tuner {
                         .map_err(|_| bad("up_to_bytes is not a number".into()))?,
                 ),
             };
-            let algorithm: Algorithm = algorithm.parse().map_err(bad)?;
-            if !algorithm.implements(collective) {
-                return Err(bad(format!("{algorithm} does not implement {collective}")));
+            let choice: Choice = algorithm.parse().map_err(bad)?;
+            if !choice.algorithm.implements(collective) {
+                return Err(bad(format!(
+                    "{} does not implement {collective}",
+                    choice.algorithm
+                )));
             }
             entries.push(Entry {
                 collective,
                 links,
                 ranks,
                 up_to_bytes,
-                algorithm,
+                choice,
             });
         }
         Ok(Tuner { entries })
@@ -160,7 +163,7 @@ impl Tuner {
         &self.entries
     }
 
-    /// The measured best algorithm for `kind` over a buffer of `bytes` (see
+    /// The measured best choice for `kind` over a buffer of `bytes` (see
     /// [`buffer_bytes`]) on `ranks` ranks linked by `links`, if the table
     /// covers that collective and kind of links.
     pub fn pick(
@@ -169,18 +172,18 @@ impl Tuner {
         bytes: u64,
         ranks: usize,
         links: Links,
-    ) -> Option<Algorithm> {
+    ) -> Option<Choice> {
         self.narrowed(ranks, links).choose(kind, bytes)
     }
 
     /// [`Tuner::pick`] on a table already [narrowed](Tuner::narrowed) to one
     /// world size and kind of links.
-    pub fn choose(&self, kind: CollectiveKind, bytes: u64) -> Option<Algorithm> {
+    pub fn choose(&self, kind: CollectiveKind, bytes: u64) -> Option<Choice> {
         let mut last = None;
         for e in self.entries.iter().filter(|e| e.collective == kind) {
             match e.up_to_bytes {
-                Some(limit) if bytes > limit => last = Some(e.algorithm),
-                _ => return Some(e.algorithm),
+                Some(limit) if bytes > limit => last = Some(e.choice),
+                _ => return Some(e.choice),
             }
         }
         last
@@ -190,13 +193,14 @@ impl Tuner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Algorithm;
 
     const TABLE: &str = "\
 # a comment
 allreduce shm 2 16384 board
 allreduce shm 2 -     ring   # trailing comment
 allreduce tcp 2 65536 rd
-allreduce tcp 2 -     ring
+allreduce tcp 2 -     ring/128K
 allreduce tcp 8 65536 rd
 allreduce tcp 8 -     dbtree
 ";
@@ -207,33 +211,36 @@ allreduce tcp 8 -     dbtree
         let ar = CollectiveKind::AllReduce;
         assert_eq!(
             t.pick(ar, 8, 2, Links::SharedMemory),
-            Some(Algorithm::Board)
+            Some(Algorithm::Board.into())
         );
         assert_eq!(
             t.pick(ar, 16384, 2, Links::SharedMemory),
-            Some(Algorithm::Board)
+            Some(Algorithm::Board.into())
         );
         assert_eq!(
             t.pick(ar, 16385, 2, Links::SharedMemory),
-            Some(Algorithm::Ring)
+            Some(Algorithm::Ring.into())
         );
         assert_eq!(
             t.pick(ar, 1 << 20, 8, Links::Network),
-            Some(Algorithm::DoubleBinaryTree)
+            Some(Algorithm::DoubleBinaryTree.into())
         );
         // 6 ranks: 8 is nearer than 2 in log scale; 3 ranks: 2 is.
         assert_eq!(
             t.pick(ar, 1 << 20, 6, Links::Network),
-            Some(Algorithm::DoubleBinaryTree)
+            Some(Algorithm::DoubleBinaryTree.into())
         );
         assert_eq!(
             t.pick(ar, 1 << 20, 3, Links::Network),
-            Some(Algorithm::Ring)
+            Some(Choice {
+                algorithm: Algorithm::Ring,
+                piece_bytes: Some(128 << 10)
+            })
         );
         // 4 ranks sits halfway: the larger world size answers.
         assert_eq!(
             t.pick(ar, 1 << 20, 4, Links::Network),
-            Some(Algorithm::DoubleBinaryTree)
+            Some(Algorithm::DoubleBinaryTree.into())
         );
         assert_eq!(
             t.pick(CollectiveKind::Broadcast, 8, 2, Links::Network),
@@ -251,6 +258,8 @@ allreduce tcp 8 -     dbtree
             "allreduce shm 2 - chain",
             "frobnicate shm 2 - ring",
             "sendrecv shm 2 - board",
+            "allreduce shm 2 - ring/0",
+            "allreduce shm 2 - board/1M",
         ] {
             let e = Tuner::parse(&format!("# x\n{bad}\n")).unwrap_err();
             assert!(e.starts_with("line 2:"), "{bad}: {e}");

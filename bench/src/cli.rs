@@ -5,7 +5,7 @@ use std::{
     time::Duration,
 };
 
-use ccl::{Algorithm, DataType, ReduceOp};
+use ccl::{Choice, DataType, ReduceOp};
 use clap::{Args, Parser, Subcommand};
 
 use crate::{coll::Coll, size};
@@ -249,7 +249,7 @@ pub struct BenchArgs {
     /// Transport: auto (shared memory between ranks of one host, TCP between hosts), tcp, or shm
     #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
     pub transport: String,
-    /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms
+    /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms, for a schedule optionally with its piece size (ring/128K)
     #[arg(short = 'a', long, value_name = "ALGO", default_value = "auto")]
     pub algo: String,
     /// Verify every iteration's result against independently computed values
@@ -289,7 +289,7 @@ pub struct Plan {
     pub inplace: bool,
     pub check: bool,
     /// One entry per algorithm to run; `None` is ccl's own choice.
-    pub algos: Vec<Option<Algorithm>>,
+    pub algos: Vec<Option<Choice>>,
     pub algo_requested: String,
     pub transport: String,
     pub timeout: Duration,
@@ -348,32 +348,37 @@ pub fn check_op(coll: Coll, op: ReduceOp, dtype: DataType) -> Result<(), String>
     })
 }
 
-fn algos(coll: Coll, requested: &str) -> Result<Vec<Option<Algorithm>>, String> {
+fn algos(coll: Coll, requested: &str) -> Result<Vec<Option<Choice>>, String> {
     let have = coll.algorithms();
-    let names: Vec<&str> = ["auto", "all"]
+    let names: Vec<String> = ["auto".to_string(), "all".to_string()]
         .into_iter()
-        .chain(have.iter().map(|a| a.name()))
+        .chain(
+            have.iter()
+                .filter(|c| c.piece_bytes.is_none())
+                .map(|c| c.to_string()),
+        )
         .collect();
     match requested.to_ascii_lowercase().as_str() {
         "auto" => Ok(vec![None]),
         "all" if have.is_empty() => Ok(vec![None]),
         "all" => Ok(have.iter().map(|a| Some(*a)).collect()),
         name => {
-            let algo: Algorithm = name.parse().map_err(|_| {
+            let choice: Choice = name.parse().map_err(|e| {
                 format!(
-                    "--algo {requested}: unknown algorithm ({} has: {})",
+                    "--algo {requested}: {e} ({} has: {}; a schedule takes a piece size as in ring/128K)",
                     coll.name(),
                     names.join(", ")
                 )
             })?;
-            if !have.contains(&algo) {
+            if !have.iter().any(|c| c.algorithm == choice.algorithm) {
                 return Err(format!(
-                    "--algo {requested}: {} has no {algo} algorithm (it has: {})",
+                    "--algo {requested}: {} has no {} algorithm (it has: {})",
                     coll.name(),
+                    choice.algorithm,
                     names.join(", ")
                 ));
             }
-            Ok(vec![Some(algo)])
+            Ok(vec![Some(choice)])
         }
     }
 }

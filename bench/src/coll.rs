@@ -1,6 +1,6 @@
 //! The collectives ccl-bench measures, and what nccl-tests' conventions say about each.
 
-use ccl::{Algorithm, CollectiveKind};
+use ccl::{Algorithm, Choice, CollectiveKind};
 
 /// A collective (a subcommand of ccl-bench and an argument of `compare-mpi`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -115,19 +115,36 @@ impl Coll {
         }
     }
 
-    /// The algorithms ccl has for this collective (none to choose for
-    /// sendrecv): its schedules, then the shared-memory board algorithms,
-    /// which run only where every rank shares the host (and, for the board,
-    /// the message fits it; the table names what ran instead otherwise).
-    pub fn algorithms(self) -> Vec<Algorithm> {
+    /// What `--algo all` runs for this collective (nothing to choose for
+    /// sendrecv): its schedules, the ring also with pieces of
+    /// [`RING_PIECES`] besides the links' default, then the shared-memory
+    /// board algorithms, which run only where every rank shares the host
+    /// (and, for the board, the message fits it; the table names what ran
+    /// instead otherwise).
+    pub fn algorithms(self) -> Vec<Choice> {
         let kind = self.kind();
         let schedules = Algorithm::for_kind(kind);
+        let mut all: Vec<Choice> = Vec::new();
+        for &a in schedules {
+            all.push(a.into());
+            if a == Algorithm::Ring {
+                all.extend(RING_PIECES.iter().map(|&p| Choice {
+                    algorithm: a,
+                    piece_bytes: Some(p),
+                }));
+            }
+        }
         let boards = [Algorithm::Board, Algorithm::BoardDirect]
             .into_iter()
-            .filter(move |a| !schedules.is_empty() && a.implements(kind));
-        schedules.iter().copied().chain(boards).collect()
+            .filter(|a| !schedules.is_empty() && a.implements(kind));
+        all.extend(boards.map(Choice::from));
+        all
     }
 }
+
+/// Ring piece sizes `--algo all` measures besides the default of the links
+/// (512 KiB over TCP, 4 MiB over shared memory).
+pub const RING_PIECES: [usize; 2] = [128 << 10, 1 << 20];
 
 #[cfg(test)]
 mod tests {

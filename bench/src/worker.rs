@@ -8,7 +8,7 @@ use std::{
 };
 
 use ccl::{
-    bf16, f16, Algorithm, Communicator, Config, DataType, FileStore, HashStore, Launcher, Options,
+    bf16, f16, Communicator, Config, DataType, FileStore, HashStore, Launcher, Options,
     PrefixStore, ReduceOp, Rendezvous, Store, TcpStore,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -210,16 +210,14 @@ fn measure<T: Val>(
     })
 }
 
-/// The algorithm a call used, as the table shows it.
-fn algo_used(comm: &Communicator, plan: &Plan, count: usize) -> Algorithm {
-    comm.algorithm_for(plan.coll.kind(), count, plan.dtype)
-}
-
+/// The algorithm a call used (with its piece size if one was asked for),
+/// as the table shows it.
 fn algo_label(comm: &Communicator, plan: &Plan, count: usize) -> String {
     if plan.coll == Coll::Sendrecv {
         "p2p".into()
     } else {
-        algo_used(comm, plan, count).name().into()
+        comm.choice_for(plan.coll.kind(), count, plan.dtype)
+            .to_string()
     }
 }
 
@@ -317,7 +315,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         options.transport = plan.transport.parse().map_err(ccl::Error::Config)?;
         options.algo = match algo {
             None => config.algo.clone(),
-            Some(a) => Some(format!("{}={}", plan.coll.kind().name(), a.name())),
+            Some(a) => Some(format!("{}={a}", plan.coll.kind().name())),
         };
         let scoped: Arc<dyn Store> =
             Arc::new(PrefixStore::new(store.clone(), format!("ccl-bench/{i}")));
@@ -527,7 +525,7 @@ fn series_by_choice(plan: &Plan, rows: &[Row]) -> Vec<Series> {
         .map(|(i, algo)| {
             let mine: Vec<&Row> = rows.iter().skip(i).step_by(k).collect();
             let label = match algo {
-                Some(a) => a.name().to_string(),
+                Some(a) => a.to_string(),
                 None => {
                     let used = distinct(&mine.iter().map(|r| r.algo.clone()).collect::<Vec<_>>());
                     format!("ccl auto ({})", used.join(", "))

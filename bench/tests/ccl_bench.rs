@@ -394,10 +394,14 @@ fn reports_are_written_and_well_formed() {
     let v = read_json(&json);
     let rows = v["rows"].as_array().unwrap();
     // 1K, 4K, 16K, 64K, 256K, each with every allreduce algorithm in turn:
-    // the schedules, then the board algorithms (two local ranks share memory).
+    // the schedules (the ring also with 128 KiB and 1 MiB pieces), then the
+    // board algorithms (two local ranks share memory).
     let every: Vec<&str> = ccl_algorithms::Algorithm::for_kind(ccl::CollectiveKind::AllReduce)
         .iter()
-        .map(|a| a.name())
+        .flat_map(|a| match a.name() {
+            "ring" => vec!["ring", "ring/128K", "ring/1M"],
+            name => vec![name],
+        })
         .chain(["board", "board-direct"])
         .collect();
     assert_eq!(rows.len(), 5 * every.len(), "{rows:?}");

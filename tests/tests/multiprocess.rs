@@ -115,6 +115,7 @@ fn collectives_with_every_algorithm_forced() {
         (6, "allreduce=dbtree"),
         (5, "allreduce=direct"),
         (3, "allreduce=board-direct"),
+        (3, "ring/4K"),
         (4, "allreduce=board-direct"),
     ] {
         let mut e = env("60s");
