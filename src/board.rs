@@ -1,26 +1,32 @@
 //! Collectives on the shared-memory board, when every rank of a
-//! communicator runs on this host.
+//! communicator runs on this host. This runs on the caller's thread, without
+//! the executor or the runtime.
 //!
-//! Small calls ([`Algorithm::Board`](ccl_algorithms::Algorithm::Board)):
-//! each rank posts its payload once, reads what the others posted, and
-//! computes its result locally. Every rank reduces in rank order, so all of
-//! them get the same bits.
+//! A call goes in chunks, one board round each, so that a chunk fits a slot.
+//! The data of a call is laid out as blocks of one rank's part: one block
+//! (allreduce, reduce, broadcast: the buffer; allgather, gather: the rank's
+//! part) or n blocks (reduce-scatter, all-to-all, scatter: one per rank).
+//! Chunk `c` covers the same bytes `c·piece..` of every block.
 //!
-//! Allreduce of any size ([`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)):
-//! chunk by chunk of a slot, each rank posts its chunk, reduces block
-//! `rank` of it (1/n of the elements) from every rank's post in rank order,
-//! publishes that block, and copies every other rank's block. Each byte is
-//! reduced once on the whole host, by one rank, and moves through memory
-//! about three times per rank (post, reduce, copy out), with no per-message
-//! hand-shake.
+//! [`Algorithm::Board`](ccl_algorithms::Algorithm::Board): each rank posts
+//! its chunk once, reads what it needs from the others' posts, and computes
+//! its result locally (a reduction in rank order, so every rank gets the
+//! same bits). Every rank also checks every other rank's header, so that a
+//! rank that made another call is a mismatch, never a silent success.
 //!
-//! This runs on the caller's thread, without the executor or the runtime.
+//! [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
+//! (allreduce, reduce): each rank posts its chunk, reduces block `rank` of
+//! it (1/n of the elements) from every rank's post in rank order, publishes
+//! that block in a second phase, and the ranks that want the result copy
+//! every other rank's block. Each byte is reduced once on the whole host, by
+//! one rank, and moves through memory about three times per rank (post,
+//! reduce, copy out), with no per-message hand-shake.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ccl_algorithms::{Call, IoBuffers};
 use ccl_core::{op, CollectiveKind, DataType, Error, FrameHeader, ReduceOp, Result};
-use ccl_transport_shm::Board;
+use ccl_transport_shm::{Board, Round};
 
 /// The arguments of one board call.
 #[derive(Clone, Copy, Debug)]
@@ -31,33 +37,8 @@ pub(crate) struct BoardCall {
     pub op: ReduceOp,
     pub root: usize,
     /// Run as [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
-    /// (allreduce only), not as one post per rank.
+    /// (allreduce and reduce), not as one post per rank.
     pub direct: bool,
-}
-
-/// Whether a call of `kind` on `count` elements of `dtype` (counted as the
-/// collective counts them) over `n` ranks fits board slots of `slot` bytes
-/// (for allgather, gather and the like the whole output must fit).
-pub(crate) fn fits(
-    kind: CollectiveKind,
-    count: usize,
-    dtype: DataType,
-    n: usize,
-    slot: usize,
-) -> bool {
-    let bytes = count * dtype.size();
-    match kind {
-        CollectiveKind::AllReduce | CollectiveKind::Reduce | CollectiveKind::Broadcast => {
-            bytes <= slot
-        }
-        CollectiveKind::AllGather
-        | CollectiveKind::Gather
-        | CollectiveKind::ReduceScatter
-        | CollectiveKind::Scatter
-        | CollectiveKind::AllToAll => bytes * n <= slot,
-        CollectiveKind::Barrier => true,
-        CollectiveKind::SendRecv => false,
-    }
 }
 
 impl BoardCall {
@@ -70,185 +51,170 @@ impl BoardCall {
         io: &IoBuffers<'_>,
         timeout: Duration,
     ) -> Result<()> {
-        let run = if self.direct {
-            self.allreduce_direct(board, call, io, timeout)
-        } else {
-            self.exchange(board, call, io, timeout)
-        };
-        run.map_err(|e| e.in_call(&call.name()))
+        self.chunks(board, call, io, timeout)
+            .map_err(|e| e.in_call(&call.name()))
     }
 
-    /// [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
-    /// (see the module docs). Chunks go as board calls numbered from step 1,
-    /// so that a rank running the one-post board (step 0) is a mismatch.
-    fn allreduce_direct(
+    /// Blocks per rank and bytes per block (see the module docs).
+    fn layout(&self, n: usize) -> (usize, usize) {
+        let part = self.count * self.dtype.size();
+        match self.kind {
+            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll | CollectiveKind::Scatter => {
+                (n, part)
+            }
+            CollectiveKind::Barrier => (1, 0),
+            _ => (1, part),
+        }
+    }
+
+    /// Whether rank `r` posts data (roots alone do for broadcast, scatter).
+    fn posts(&self, r: usize) -> bool {
+        match self.kind {
+            CollectiveKind::Broadcast | CollectiveKind::Scatter => r == self.root,
+            CollectiveKind::Barrier => false,
+            _ => true,
+        }
+    }
+
+    /// Bytes of input and output this rank needs, for the checks up front.
+    fn needs(&self, me: usize, n: usize) -> (usize, usize) {
+        let (blocks, part) = self.layout(n);
+        let at_root = |x: usize| if me == self.root { x } else { 0 };
+        let input = if self.posts(me) { blocks * part } else { 0 };
+        let output = match self.kind {
+            CollectiveKind::AllReduce
+            | CollectiveKind::Broadcast
+            | CollectiveKind::ReduceScatter
+            | CollectiveKind::Scatter => part,
+            CollectiveKind::Reduce => at_root(part),
+            CollectiveKind::AllGather | CollectiveKind::AllToAll => n * part,
+            CollectiveKind::Gather => at_root(n * part),
+            CollectiveKind::Barrier | CollectiveKind::SendRecv => 0,
+        };
+        (input, output)
+    }
+
+    fn chunks(
         &self,
         board: &Board,
         call: &Call,
         io: &IoBuffers<'_>,
         timeout: Duration,
     ) -> Result<()> {
-        if self.kind != CollectiveKind::AllReduce {
+        let (n, me) = (call.world_size, call.rank);
+        let es = self.dtype.size();
+        let direct = self.direct
+            && matches!(
+                self.kind,
+                CollectiveKind::AllReduce | CollectiveKind::Reduce
+            );
+        if self.direct && !direct {
             return Err(Error::Internal(format!(
                 "{} cannot run as board-direct",
                 call.name()
             )));
         }
-        let (n, me) = (call.world_size, call.rank);
-        let es = self.dtype.size();
-        let total = self.count * es;
+        let (blocks, part) = self.layout(n);
         let (input, output) = io.raw_parts();
-        if input.1 < total || output.1 < total {
+        let (need_in, need_out) = self.needs(me, n);
+        if input.1 < need_in || output.1 < need_out {
             return Err(Error::Internal(format!(
-                "{}: buffers of {} and {} bytes for {total}",
+                "{}: buffers of {} and {} bytes, the board call needs {need_in} and {need_out}",
                 call.name(),
                 input.1,
                 output.1
             )));
         }
-        let chunk = (board.slot_bytes() / es * es).max(es);
-        let started = std::time::Instant::now();
+        // SAFETY (for every slice below): the engine hands this call its
+        // buffers alone. Each chunk of the input is read in full (posted)
+        // before the same chunk of the output, which may be the same memory
+        // (in place), is written, and later chunks of the input are not
+        // written before they are posted: in-place layouts put this rank's
+        // input block where its own output goes.
+        let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
+        let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
+        let piece = (board.slot_bytes() / blocks / es * es).max(es);
+        // Board-direct reduces into scratch where this rank has no output.
+        let mut scratch = Vec::new();
+        let started = Instant::now();
         let mut off = 0;
-        let mut step = 1u32;
+        let mut step = u32::from(direct);
         loop {
-            let len = chunk.min(total - off);
-            let elems = len / es;
-            // Element range of rank p's block, in bytes.
-            let block = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
+            let len = piece.min(part - off);
+            let posted = |r: usize| if self.posts(r) { blocks * len } else { 0 };
             let header = FrameHeader::data(call.comm, call.seq, step, 0, call.fingerprint);
             let round = board.begin(header, timeout.saturating_sub(started.elapsed()))?;
-            // SAFETY: the engine hands this call its buffers alone. This
-            // chunk of the input is read in full (posted) before its part of
-            // the output, which may be the same memory, is written; later
-            // chunks of the input are not touched.
-            round.post(unsafe { slice(input.0.add(off), len) })?;
-            let (lo, hi) = block(me);
-            // SAFETY: as above; no other slice of this range is alive.
-            let mine = unsafe { slice_mut(output.0.add(off + lo), hi - lo) };
-            self.reduce_all(&round, n, len, mine, lo..hi)?;
-            round.post_reduced(lo, mine)?;
-            for p in (0..n).filter(|&p| p != me) {
-                let (plo, phi) = block(p);
-                let from = round.read_reduced(p, plo, phi - plo)?;
-                // SAFETY: as above.
-                copy(
-                    unsafe { slice_mut(output.0.add(off + plo), phi - plo) },
-                    from,
-                );
+            if self.posts(me) {
+                let parts: Vec<&[u8]> = (0..blocks).map(|b| inp(b * part + off, len)).collect();
+                round.post_parts(&parts)?;
+            } else {
+                round.post(&[])?;
+            }
+            for r in 0..n {
+                round.read(r, posted(r))?;
+            }
+            let is_root = me == self.root;
+            let elems = len / es;
+            // Bytes of rank p's share of a chunk (board-direct).
+            let share = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
+            match self.kind {
+                CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
+                    let (lo, hi) = share(me);
+                    let wants = self.kind == CollectiveKind::AllReduce || is_root;
+                    let mine = if wants {
+                        out(off + lo, hi - lo)
+                    } else {
+                        scratch.resize(hi - lo, 0);
+                        &mut scratch[..]
+                    };
+                    self.reduce_all(&round, n, len, mine, lo..hi)?;
+                    round.post_reduced(lo, mine)?;
+                    if wants {
+                        for p in (0..n).filter(|&p| p != me) {
+                            let (plo, phi) = share(p);
+                            copy(
+                                out(off + plo, phi - plo),
+                                round.read_reduced(p, plo, phi - plo)?,
+                            );
+                        }
+                    }
+                }
+                CollectiveKind::AllReduce => {
+                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
+                }
+                CollectiveKind::Reduce if is_root => {
+                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
+                }
+                CollectiveKind::ReduceScatter => {
+                    self.reduce_all(&round, n, n * len, out(off, len), me * len..(me + 1) * len)?
+                }
+                CollectiveKind::Broadcast => copy(out(off, len), round.read(self.root, len)?),
+                CollectiveKind::Scatter => copy(
+                    out(off, len),
+                    &round.read(self.root, n * len)?[me * len..(me + 1) * len],
+                ),
+                CollectiveKind::AllGather | CollectiveKind::Gather
+                    if self.kind == CollectiveKind::AllGather || is_root =>
+                {
+                    for r in 0..n {
+                        copy(out(r * part + off, len), round.read(r, len)?);
+                    }
+                }
+                CollectiveKind::AllToAll => {
+                    for r in 0..n {
+                        let from = round.read(r, n * len)?;
+                        copy(out(r * part + off, len), &from[me * len..(me + 1) * len]);
+                    }
+                }
+                // Non-roots of reduce and gather only post; a barrier only
+                // checks the headers.
+                _ => {}
             }
             off += len;
             step += 1;
-            if off >= total {
+            if off >= part {
                 return Ok(());
             }
-        }
-    }
-
-    fn exchange(
-        &self,
-        board: &Board,
-        call: &Call,
-        io: &IoBuffers<'_>,
-        timeout: Duration,
-    ) -> Result<()> {
-        let (n, me) = (call.world_size, call.rank);
-        let es = self.dtype.size();
-        let part = self.count * es;
-        let (input, output) = io.raw_parts();
-        let header = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
-        let round = board.begin(header, timeout)?;
-        // SAFETY: the engine hands this call its buffers alone; the input is
-        // read in full (posted) before anything writes the output, which may
-        // overlap it for in-place calls.
-        let input = unsafe { slice(input.0, input.1) };
-        let is_root = me == self.root;
-        // What each rank posts, and how many bytes it reads from each rank.
-        let posts = |r: usize| -> usize {
-            match self.kind {
-                CollectiveKind::AllReduce | CollectiveKind::Reduce => part,
-                CollectiveKind::Broadcast if r == self.root => part,
-                CollectiveKind::Scatter if r == self.root => part * n,
-                CollectiveKind::AllGather | CollectiveKind::Gather => part,
-                CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => part * n,
-                _ => 0,
-            }
-        };
-        let mine = posts(me);
-        if input.len() < mine {
-            return Err(Error::Internal(format!(
-                "{}: input has {} bytes, the board call posts {mine}",
-                call.name(),
-                input.len()
-            )));
-        }
-        round.post(&input[..mine])?;
-        // Every rank's header, also where this call needs no data from it: a
-        // rank that made another call (another root, say) is a mismatch here,
-        // not a silent success.
-        for r in 0..n {
-            round.read(r, posts(r))?;
-        }
-        let out_len = |len: usize| -> Result<&mut [u8]> {
-            if output.1 < len {
-                return Err(Error::Internal(format!(
-                    "{}: output has {} bytes, the board call writes {len}",
-                    call.name(),
-                    output.1
-                )));
-            }
-            // SAFETY: as above; the input is not read any more.
-            Ok(unsafe { slice_mut(output.0, len) })
-        };
-        match self.kind {
-            CollectiveKind::AllReduce => self.reduce_all(&round, n, part, out_len(part)?, 0..part),
-            CollectiveKind::Reduce if is_root => {
-                self.reduce_all(&round, n, part, out_len(part)?, 0..part)
-            }
-            CollectiveKind::ReduceScatter => self.reduce_all(
-                &round,
-                n,
-                part * n,
-                out_len(part)?,
-                me * part..(me + 1) * part,
-            ),
-            CollectiveKind::Broadcast => {
-                let from = round.read(self.root, part)?;
-                copy(out_len(part)?, from);
-                Ok(())
-            }
-            CollectiveKind::Scatter => {
-                let from = round.read(self.root, part * n)?;
-                copy(out_len(part)?, &from[me * part..(me + 1) * part]);
-                Ok(())
-            }
-            CollectiveKind::AllGather | CollectiveKind::Gather
-                if self.kind == CollectiveKind::AllGather || is_root =>
-            {
-                let out = out_len(part * n)?;
-                for r in 0..n {
-                    copy(&mut out[r * part..(r + 1) * part], round.read(r, part)?);
-                }
-                Ok(())
-            }
-            CollectiveKind::AllToAll => {
-                let out = out_len(part * n)?;
-                for r in 0..n {
-                    let from = round.read(r, part * n)?;
-                    copy(
-                        &mut out[r * part..(r + 1) * part],
-                        &from[me * part..(me + 1) * part],
-                    );
-                }
-                Ok(())
-            }
-            CollectiveKind::Barrier => {
-                for r in 0..n {
-                    round.read(r, 0)?;
-                }
-                Ok(())
-            }
-            // Non-roots of reduce and gather only post.
-            _ => Ok(()),
         }
     }
 
@@ -256,7 +222,7 @@ impl BoardCall {
     /// `len` bytes, then the op's last step.
     fn reduce_all(
         &self,
-        round: &ccl_transport_shm::Round<'_>,
+        round: &Round<'_>,
         n: usize,
         len: usize,
         out: &mut [u8],

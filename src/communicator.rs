@@ -21,7 +21,7 @@ use ccl_core::{
 use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
 
 use crate::{
-    board::{self, BoardCall},
+    board::BoardCall,
     engine::{Engine, Job, Plan},
 };
 
@@ -675,11 +675,11 @@ impl Communicator {
     /// The algorithm a call of `kind` on `count` elements of `dtype` uses:
     /// the `CCL_ALGO` override if any; else what the tuning table measured
     /// best for this size, world size and kind of links; else the board for
-    /// calls up to 16 KiB, board-direct for larger allreduces, where there
-    /// is a board; recursive doubling for other small allreduces, and the
-    /// first algorithm of every other collective. The board algorithms are
-    /// only ever chosen where there is a board (every rank on this host) and
-    /// the call fits it.
+    /// calls up to 16 KiB, board-direct for larger allreduces and reduces,
+    /// where there is a board; recursive doubling for other small
+    /// allreduces, and the first algorithm of every other collective. The
+    /// board algorithms are only ever chosen where there is a board (every
+    /// rank on this host).
     pub fn algorithm_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Algorithm {
         self.choice_for(kind, count, dtype).algorithm
     }
@@ -688,13 +688,9 @@ impl Communicator {
     /// `CCL_ALGO` asked for (`ring/128K`); `None` is this communicator's
     /// default for its links.
     pub fn choice_for(&self, kind: CollectiveKind, count: usize, dtype: DataType) -> Choice {
-        let slot = self.engine().board_slot_bytes();
+        let has_board = self.engine().has_board();
         let can = |a: Algorithm| match a {
-            Algorithm::Board => slot.is_some_and(|s| {
-                kind != CollectiveKind::SendRecv
-                    && board::fits(kind, count, dtype, self.world_size, s)
-            }),
-            Algorithm::BoardDirect => slot.is_some() && a.implements(kind),
+            Algorithm::Board | Algorithm::BoardDirect => has_board && a.implements(kind),
             _ => true,
         };
         let bytes = tuner::buffer_bytes(kind, count, dtype.size(), self.world_size);

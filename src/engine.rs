@@ -566,9 +566,9 @@ impl Engine {
     }
 
     /// Whether small collectives can run on the shared-memory board.
-    /// Payload bytes of a board slot, if this communicator has a board.
-    pub fn board_slot_bytes(&self) -> Option<usize> {
-        self.shared.board.as_ref().map(|b| b.slot_bytes())
+    /// Whether this communicator has a board (every rank on this host).
+    pub fn has_board(&self) -> bool {
+        self.shared.board.is_some()
     }
 
     /// The error that broke the communicator, if any.

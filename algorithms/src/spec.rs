@@ -35,14 +35,15 @@ pub enum Algorithm {
     /// Direct: each rank reduces its block from every peer, then sends it to
     /// every peer (allreduce in two steps; suits shared memory).
     Direct,
-    /// Shared-memory board, when every rank runs on one host: each rank posts
-    /// its buffer once and reads the others' (small messages of every
-    /// collective but send/recv). Not a schedule: the facade runs it.
+    /// Shared-memory board, when every rank runs on one host (every
+    /// collective but send/recv): chunk by chunk, each rank posts its data
+    /// once and reads what it needs from the others'. Not a schedule: the
+    /// facade runs it.
     Board,
-    /// Direct on the board (allreduce of any size when every rank runs on
-    /// one host): chunk by chunk, each rank posts its chunk, reduces its 1/n
-    /// of it from every rank's post, publishes that, and copies the other
-    /// ranks' parts. Not a schedule: the facade runs it.
+    /// Direct on the board (allreduce, reduce; every rank on one host):
+    /// chunk by chunk, each rank posts its chunk, reduces its 1/n of it from
+    /// every rank's post, publishes that, and the ranks that want the result
+    /// copy the others' parts. Not a schedule: the facade runs it.
     BoardDirect,
 }
 
@@ -109,12 +110,13 @@ impl Algorithm {
     }
 
     /// Whether this algorithm can run `kind`. The board algorithms also
-    /// need a board (every rank on one host) and, for [`Algorithm::Board`],
-    /// a call that fits it.
+    /// need a board (every rank on one host).
     pub fn implements(self, kind: CollectiveKind) -> bool {
         match self {
             Algorithm::Board => kind != CollectiveKind::SendRecv,
-            Algorithm::BoardDirect => kind == CollectiveKind::AllReduce,
+            Algorithm::BoardDirect => {
+                matches!(kind, CollectiveKind::AllReduce | CollectiveKind::Reduce)
+            }
             a => Algorithm::for_kind(kind).contains(&a),
         }
     }

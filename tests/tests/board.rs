@@ -9,7 +9,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl::{CollectiveKind, Communicator, DataType, HashStore, Options, ReduceOp, Spin, Store};
+use ccl::{
+    Algorithm, CollectiveKind, Communicator, DataType, HashStore, Options, ReduceOp, Spin, Store,
+};
 use ccl_tests::with_ranks;
 
 fn options(algo: &str) -> Options {
@@ -140,4 +142,137 @@ fn ranks_that_pick_different_board_algorithms_fail_instead_of_hanging() {
         );
         assert!(took < Duration::from_secs(30), "rank {rank} took {took:?}");
     }
+}
+
+/// Every collective through the board algorithms that `algo` (a `CCL_ALGO`
+/// value) forces, in place and out of place, on `n` thread ranks; panics
+/// naming the first wrong result.
+fn every_collective_through(n: usize, algo: &str, counts: Vec<usize>) {
+    let results = with_ranks(n, options(algo), move |comm: Communicator| {
+        let (me, root) = (comm.rank(), n - 1);
+        let sum = |i: usize| (0..n).map(|r| value(r, i)).sum::<i64>();
+        let mut wrong = Vec::new();
+        let mut check = |what: &str, got: &[i64], want: &dyn Fn(usize) -> i64| {
+            if let Some(i) = (0..got.len()).find(|&i| got[i] != want(i)) {
+                wrong.push(format!(
+                    "{what}: element {i} is {}, want {}",
+                    got[i],
+                    want(i)
+                ));
+            }
+        };
+        for &c in &counts {
+            let kinds = [
+                CollectiveKind::Broadcast,
+                CollectiveKind::Reduce,
+                CollectiveKind::AllGather,
+                CollectiveKind::ReduceScatter,
+                CollectiveKind::AllToAll,
+                CollectiveKind::Gather,
+                CollectiveKind::Scatter,
+            ];
+            for kind in kinds.into_iter().filter(|_| n > 1) {
+                let used = comm.algorithm_for(kind, c, DataType::I64);
+                assert!(
+                    matches!(used, Algorithm::Board | Algorithm::BoardDirect),
+                    "{kind} of {c} ran {used}"
+                );
+            }
+            let mine: Vec<i64> = (0..c).map(|i| value(me, i)).collect();
+            // n blocks of c: block b holds elements b·c.. of this rank's values.
+            let blocks: Vec<i64> = (0..n * c).map(|i| value(me, i)).collect();
+            let w = |what: &str| format!("{what} of {c}");
+
+            let mut b: Vec<i64> = if me == root {
+                mine.clone()
+            } else {
+                vec![-1; c]
+            };
+            comm.broadcast(&mut b, root).expect("broadcast");
+            check(&w("broadcast"), &b, &|i| value(root, i));
+
+            let mut r = vec![0i64; if me == root { c } else { 0 }];
+            comm.reduce_into(&mine, &mut r, ReduceOp::Sum, root)
+                .expect("reduce_into");
+            check(&w("reduce_into"), &r, &sum);
+            let mut r = mine.clone();
+            comm.reduce(&mut r, ReduceOp::Sum, root).expect("reduce");
+            if me == root {
+                check(&w("reduce"), &r, &sum);
+            }
+
+            let mut g = vec![0i64; n * c];
+            comm.allgather_into(&mine, &mut g).expect("allgather_into");
+            check(&w("allgather_into"), &g, &|i| {
+                value(i / c.max(1), i % c.max(1))
+            });
+            let mut g = vec![-1i64; n * c];
+            g[me * c..(me + 1) * c].copy_from_slice(&mine);
+            comm.allgather(&mut g).expect("allgather");
+            check(&w("allgather"), &g, &|i| value(i / c.max(1), i % c.max(1)));
+
+            let mut s = vec![0i64; c];
+            comm.reduce_scatter_into(&blocks, &mut s, ReduceOp::Sum)
+                .expect("reduce_scatter_into");
+            check(&w("reduce_scatter_into"), &s, &|i| sum(me * c + i));
+            let mut s = blocks.clone();
+            comm.reduce_scatter(&mut s, ReduceOp::Sum)
+                .expect("reduce_scatter");
+            check(&w("reduce_scatter"), &s[me * c..(me + 1) * c], &|i| {
+                sum(me * c + i)
+            });
+
+            let want_a2a = |i: usize| value(i / c.max(1), me * c + i % c.max(1));
+            let mut a = vec![0i64; n * c];
+            comm.alltoall_into(&blocks, &mut a).expect("alltoall_into");
+            check(&w("alltoall_into"), &a, &want_a2a);
+            let mut a = blocks.clone();
+            comm.alltoall(&mut a).expect("alltoall");
+            check(&w("alltoall"), &a, &want_a2a);
+
+            let mut g = vec![0i64; if me == root { n * c } else { 0 }];
+            comm.gather_into(&mine, &mut g, root).expect("gather_into");
+            check(&w("gather_into"), &g, &|i| {
+                value(i / c.max(1), i % c.max(1))
+            });
+
+            let input = if me == root {
+                blocks.clone()
+            } else {
+                Vec::new()
+            };
+            let mut s = vec![0i64; c];
+            comm.scatter_into(&input, &mut s, root)
+                .expect("scatter_into");
+            check(&w("scatter_into"), &s, &|i| value(root, me * c + i));
+            let mut s = if me == root {
+                blocks.clone()
+            } else {
+                vec![-1; c]
+            };
+            comm.scatter(&mut s, root).expect("scatter");
+            let s = if me == root {
+                &s[me * c..(me + 1) * c]
+            } else {
+                &s[..]
+            };
+            check(&w("scatter"), s, &|i| value(root, me * c + i));
+
+            comm.barrier().expect("barrier");
+        }
+        wrong
+    });
+    for (rank, w) in results.iter().enumerate() {
+        assert!(w.is_empty(), "{algo}, {n} ranks, rank {rank}: {w:#?}");
+    }
+}
+
+#[test]
+fn every_collective_through_the_board_in_chunks() {
+    // A chunk is 256 KiB: 32768 i64 of a one-block layout, 32768/n of an
+    // n-block one (reduce-scatter, all-to-all, scatter).
+    for n in [2usize, 3, 4, 5, 8] {
+        every_collective_through(n, "board", vec![0, 1, n + 1, 4099, 40_000]);
+    }
+    every_collective_through(3, "board,reduce=board-direct", vec![1, 40_000]);
 }

@@ -114,9 +114,10 @@ fn collectives_with_every_algorithm_forced() {
         ),
         (6, "allreduce=dbtree"),
         (5, "allreduce=direct"),
-        (3, "allreduce=board-direct"),
         (3, "ring/4K"),
-        (4, "allreduce=board-direct"),
+        (3, "board,allreduce=board-direct,reduce=board-direct"),
+        (4, "board,allreduce=board-direct"),
+        (5, "board"),
     ] {
         let mut e = env("60s");
         e.push(("CCL_ALGO", algo.into()));

@@ -255,17 +255,22 @@ impl Round<'_> {
     /// Copies `data` into this rank's slot and publishes it with the call's
     /// header (whose `len` is set to `data.len()`).
     pub fn post(&self, data: &[u8]) -> Result<()> {
+        self.post_parts(&[data])
+    }
+
+    /// [`Round::post`] of `parts` one after the other.
+    pub fn post_parts(&self, parts: &[&[u8]]) -> Result<()> {
         let bd = self.board;
-        if data.len() > bd.slot {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        if len > bd.slot {
             return Err(Error::Internal(format!(
-                "{} bytes do not fit a {}-byte board slot",
-                data.len(),
+                "{len} bytes do not fit a {}-byte board slot",
                 bd.slot
             )));
         }
         let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
         let header = FrameHeader {
-            len: data.len() as u64,
+            len: len as u64,
             ..self.header
         };
         // SAFETY: this rank's own slot, which no peer reads until the call
@@ -273,7 +278,11 @@ impl Round<'_> {
         unsafe {
             let base = bd.seg.base().add(at);
             std::ptr::copy_nonoverlapping(header.encode().as_ptr(), base.add(8), HEADER_LEN);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(SLOT_HEAD), data.len());
+            let mut to = base.add(SLOT_HEAD);
+            for part in parts {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+                to = to.add(part.len());
+            }
         }
         bd.seg.word(at).store(self.b, Ordering::Release);
         bd.wake_sleepers();
