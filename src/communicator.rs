@@ -129,7 +129,7 @@ impl Options {
     /// The knobs of a [`Config`] read from the environment.
     pub fn from_config(config: &Config) -> Options {
         let local_ip = match &config.rendezvous {
-            Rendezvous::Tcp { host, port } => route_to(host, *port),
+            Rendezvous::Tcp { host, port, .. } => route_to(host, *port),
             _ => None,
         };
         Options {
@@ -311,6 +311,28 @@ fn connect_board(
     })
 }
 
+/// The store where the ranks of `config`'s job meet: for a TCP store at
+/// `MASTER_ADDR:MASTER_PORT`, rank 0 serves it and the others connect, or,
+/// with `CCL_STORE_EXTERNAL=1`, every rank connects to a store that someone
+/// else serves (one that outlives jobs, say). Waits at most `timeout`.
+pub fn rendezvous_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
+    let secret = config.job_secret.as_ref();
+    Ok(match &config.rendezvous {
+        Rendezvous::Tcp {
+            host,
+            port,
+            external: false,
+        } if config.rank == 0 => {
+            Arc::new(TcpStore::serve_with_secret(host, *port, timeout, secret)?)
+        }
+        Rendezvous::Tcp { host, port, .. } => {
+            Arc::new(TcpStore::connect_with_secret(host, *port, timeout, secret)?)
+        }
+        Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
+        Rendezvous::Local => Arc::new(HashStore::new()),
+    })
+}
+
 /// A communicator's id on the wire: a stable 64-bit hash (FNV-1a) of its
 /// store prefix, mixed with a tag of the job secret so that two jobs differ.
 fn comm_id(prefix: &str, secret: Option<&ccl_core::JobSecret>) -> u64 {
@@ -394,24 +416,7 @@ impl Communicator {
     /// Joins the job that `config` describes.
     pub fn from_config(config: &Config) -> Result<Communicator> {
         crate::init_tracing(config.debug.as_deref());
-        let store: Arc<dyn Store> = match &config.rendezvous {
-            Rendezvous::Tcp { host, port } if config.rank == 0 => {
-                Arc::new(TcpStore::serve_with_secret(
-                    host,
-                    *port,
-                    config.timeout,
-                    config.job_secret.as_ref(),
-                )?)
-            }
-            Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect_with_secret(
-                host,
-                *port,
-                config.timeout,
-                config.job_secret.as_ref(),
-            )?),
-            Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
-            Rendezvous::Local => Arc::new(HashStore::new()),
-        };
+        let store = rendezvous_store(config, config.timeout)?;
         Communicator::new(
             config.rank,
             config.world_size,

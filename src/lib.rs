@@ -26,7 +26,7 @@ pub use ccl_core::{
     HashStore, JobSecret, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store,
     TcpStore, TcpStoreServer, TransportChoice, Work,
 };
-pub use communicator::{Communicator, Options};
+pub use communicator::{rendezvous_store, Communicator, Options};
 
 /// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`;
 /// warnings and errors when unset), unless the program installed one already.

@@ -153,7 +153,7 @@ fn slowest(comm: &Communicator, secs: f64) -> ccl::Result<f64> {
 
 fn run_rank(args: &BucketerArgs, config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     let timeout = cli::timeout(args.timeout)?;
-    let store = crate::worker::store(config, timeout)?;
+    let store = ccl::rendezvous_store(config, timeout)?;
     let mut options = Options::from_config(config);
     options.timeout = timeout;
     options.transport = args.transport.parse().map_err(ccl::Error::Config)?;

@@ -8,8 +8,7 @@ use std::{
 };
 
 use ccl::{
-    bf16, f16, Communicator, Config, DataType, FileStore, HashStore, Launcher, Options,
-    PrefixStore, ReduceOp, Rendezvous, Store, TcpStore,
+    bf16, f16, Communicator, Config, DataType, Launcher, Options, PrefixStore, ReduceOp, Store,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -60,23 +59,6 @@ fn launcher_name(l: Launcher) -> &'static str {
         Launcher::Slurm => "Slurm (srun)",
         Launcher::None => "none",
     }
-}
-
-/// The rendezvous store of the job (rank 0 serves a TCP store).
-pub fn store(config: &Config, timeout: std::time::Duration) -> Result<Arc<dyn Store>, BoxError> {
-    Ok(match &config.rendezvous {
-        Rendezvous::Tcp { host, port } if config.rank == 0 => Arc::new(
-            TcpStore::serve_with_secret(host, *port, timeout, config.job_secret.as_ref())?,
-        ),
-        Rendezvous::Tcp { host, port } => Arc::new(TcpStore::connect_with_secret(
-            host,
-            *port,
-            timeout,
-            config.job_secret.as_ref(),
-        )?),
-        Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
-        Rendezvous::Local => Arc::new(HashStore::new()),
-    })
 }
 
 fn hostname() -> String {
@@ -307,7 +289,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     };
 
     // ---- set-up: rendezvous and one communicator per algorithm ----------
-    let store = store(config, plan.timeout)?;
+    let store = ccl::rendezvous_store(config, plan.timeout)?;
     let mut comms = Vec::with_capacity(plan.algos.len());
     for (i, algo) in plan.algos.iter().enumerate() {
         let mut options = Options::from_config(config);

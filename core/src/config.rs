@@ -29,8 +29,13 @@ pub enum Launcher {
 /// Where ranks meet.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Rendezvous {
-    /// TCP store served by rank 0 at this address.
-    Tcp { host: String, port: u16 },
+    /// TCP store at this address, served by rank 0, or by someone else
+    /// (`external`, `CCL_STORE_EXTERNAL=1`) that every rank connects to.
+    Tcp {
+        host: String,
+        port: u16,
+        external: bool,
+    },
     /// File store in this directory.
     File(PathBuf),
     /// World size 1 with nothing configured: no store needed.
@@ -203,6 +208,15 @@ impl Config {
                         .trim()
                         .parse()
                         .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
+                    external: match var("CCL_STORE_EXTERNAL").as_deref() {
+                        None | Some("" | "0") => false,
+                        Some("1") => true,
+                        Some(v) => {
+                            return Err(Error::Config(format!(
+                                "CCL_STORE_EXTERNAL={v:?}: expected 0 or 1"
+                            )))
+                        }
+                    },
                 },
                 _ if world_size == 1 => Rendezvous::Local,
                 (None, _) => {
@@ -312,9 +326,22 @@ mod tests {
             c.rendezvous,
             Rendezvous::Tcp {
                 host: "h".into(),
-                port: 29500
+                port: 29500,
+                external: false
             }
         );
+        let c = cfg(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "29500"),
+            ("CCL_STORE_EXTERNAL", "1"),
+        ])
+        .unwrap();
+        assert!(matches!(
+            c.rendezvous,
+            Rendezvous::Tcp { external: true, .. }
+        ));
         let c = cfg(&[
             ("OMPI_COMM_WORLD_RANK", "1"),
             ("OMPI_COMM_WORLD_SIZE", "3"),
@@ -384,6 +411,11 @@ mod tests {
             vec![("CCL_JOB_SECRET", long.as_str())],
             vec![("CCL_DEBUG_CHECKS", "yes")],
             vec![("CCL_SHM_CMA", "off")],
+            vec![
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "1"),
+                ("CCL_STORE_EXTERNAL", "yes"),
+            ],
         ] {
             let e = cfg(&bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");

@@ -1,12 +1,18 @@
 //! Fault injection with real processes: ranks killed with SIGKILL at seeded
-//! points, a slow rank, mismatched calls, and broken launches. Every case
-//! bounds the time from the fault to the error on every surviving rank,
-//! checks that no process hangs or panics, and that nothing is left in
-//! `/dev/shm`.
+//! points, a slow rank, mismatched calls, broken launches, and a store lost
+//! before, during and after the rendezvous. Every case bounds the time from
+//! the fault to the error on every surviving rank, checks that no process
+//! hangs or panics, and that nothing is left in `/dev/shm`; a store that
+//! outlives a failed job serves the next jobs.
 
-use std::time::Duration;
+use std::{
+    io::{BufRead, BufReader},
+    process::{Child, Command, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
 
-use ccl_tests::{launch, launch_each, leftovers, no_panic, RankOutput};
+use ccl_tests::{assert_all_ok, launch, launch_each, leftovers, no_panic, RankOutput};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
@@ -276,4 +282,117 @@ fn a_lost_store_fails_every_rank_clearly() {
         "store killed during the rendezvous",
         r#"case "$RANK" in 0) exec timeout -s KILL 0.5 $W collectives;; 2) sleep 1.5;; esac; exec $W collectives"#,
     );
+}
+
+/// A store that outlives jobs (`ccl-test-worker serve-store`) on a free
+/// port, which the ranks reach with `CCL_STORE_EXTERNAL=1`; killed on drop.
+struct LongLivedStore {
+    child: Child,
+    port: String,
+}
+
+impl LongLivedStore {
+    fn start() -> LongLivedStore {
+        let port = ccl::free_port().expect("a free port").to_string();
+        let mut child = Command::new(WORKER)
+            .arg("serve-store")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn the store");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("the store's first line");
+        assert_eq!(line.trim(), "serving");
+        LongLivedStore { child, port }
+    }
+
+    /// What ranks need to meet at this store.
+    fn env(&self) -> Vec<(&'static str, String)> {
+        let mut e = env("30s");
+        e.push(("MASTER_PORT", self.port.clone()));
+        e.push(("CCL_STORE_EXTERNAL", "1".into()));
+        e
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for LongLivedStore {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[test]
+fn a_store_killed_after_the_rendezvous_stops_nothing_and_deaths_are_still_named() {
+    let mut store = LongLivedStore::start();
+    let env = store.env();
+    let dir = std::env::temp_dir().join(format!("ccl-store-gone-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let killer = {
+        let dir = dir.clone();
+        thread::spawn(move || {
+            let until = Instant::now() + Duration::from_secs(60);
+            while !dir.join("ready").exists() && Instant::now() < until {
+                thread::sleep(Duration::from_millis(5));
+            }
+            store.kill();
+            std::fs::write(dir.join("killed"), b"").unwrap();
+        })
+    };
+    let out = launch(
+        WORKER,
+        &["store-gone", dir.to_str().unwrap()],
+        3,
+        &env,
+        Duration::from_secs(90),
+    );
+    killer.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    no_panic(&out);
+    assert!(leftovers(&out).is_empty(), "{:?}", leftovers(&out));
+    assert_eq!(out[2].code, Some(7), "the last rank:\n{}", out[2].text());
+    for o in &out[..2] {
+        assert_eq!(o.code, Some(0), "rank {}:\n{}", o.rank, o.text());
+        assert!(
+            o.stdout.contains("rank 2"),
+            "rank {} does not name rank 2:\n{}",
+            o.rank,
+            o.text()
+        );
+        let after = o.elapsed.saturating_sub(out[2].elapsed);
+        assert!(
+            after < Duration::from_secs(10),
+            "rank {} took {after:?}",
+            o.rank
+        );
+    }
+}
+
+#[test]
+fn the_next_jobs_on_a_long_lived_store_meet_nothing_stale() {
+    let store = LongLivedStore::start();
+    let env = store.env();
+    // A job whose rank is SIGKILLed mid-collective...
+    let out = launch(WORKER, &["killed", "3"], 3, &env, Duration::from_secs(90));
+    no_panic(&out);
+    assert_eq!(
+        out.iter().filter(|o| o.code.is_none()).count(),
+        1,
+        "{out:#?}"
+    );
+    for o in out.iter().filter(|o| o.code.is_some()) {
+        assert_eq!(o.code, Some(0), "rank {}:\n{}", o.rank, o.text());
+    }
+    // ...then new jobs on the same store, of the same and of another size.
+    for n in [3, 2] {
+        let out = launch(WORKER, &["collectives"], n, &env, Duration::from_secs(240));
+        assert_all_ok(&out, &format!("a later job of {n} ranks on the same store"));
+    }
 }

@@ -3,7 +3,9 @@
 //! values computed here independently of ccl, and exits 0 only if all match.
 //!
 //! Scenarios: `collectives` (every collective × dtype × op, in-place,
-//! out-of-place and async), `split`, `p2p`, `mismatch`, `die VICTIM`.
+//! out-of-place and async), `split`, `p2p`, `mismatch`, `die VICTIM`,
+//! `store-gone DIR`, and more (see `main`). `serve-store` is no rank: it
+//! serves a TCP store at `MASTER_ADDR:MASTER_PORT` until it is killed.
 
 use std::{process::exit, time::Instant};
 
@@ -633,9 +635,44 @@ fn split(comm: &Communicator, ck: &mut Checker) {
     }
 }
 
+/// A store that outlives jobs: serves `MASTER_ADDR:MASTER_PORT` (with
+/// `CCL_JOB_SECRET` if set), prints `serving`, and runs until killed.
+fn serve_store() -> ! {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+    let secret = std::env::var("CCL_JOB_SECRET")
+        .ok()
+        .map(|s| ccl::JobSecret::new(&s).expect("CCL_JOB_SECRET"));
+    let addr = addr.parse().expect("MASTER_ADDR:MASTER_PORT");
+    let _server =
+        ccl::TcpStoreServer::bind_with_secret(addr, secret.as_ref()).unwrap_or_else(|e| {
+            eprintln!("serve-store: {e}");
+            exit(3)
+        });
+    println!("serving");
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Waits up to a minute for `path` to exist.
+fn await_file(path: &std::path::Path) -> bool {
+    let until = Instant::now() + std::time::Duration::from_secs(60);
+    while !path.exists() {
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let scenario = args.get(1).map(String::as_str).unwrap_or("collectives");
+    if scenario == "serve-store" {
+        serve_store();
+    }
     let started = Instant::now();
     let comm = match Communicator::from_env() {
         Ok(c) => c,
@@ -798,6 +835,49 @@ fn main() {
                 {
                     let want = (n * (n + 1) / 2) as f32;
                     ck.vec("slow allreduce", &v, |_| want, len);
+                }
+            }
+        }
+        "store-gone" => {
+            // The store (served elsewhere) is killed once every rank is set
+            // up: rank 0 says so in DIR/ready, the test kills the store and
+            // says so in DIR/killed. Collectives must go on; then the last
+            // rank dies, and the others must still name it.
+            let dir = std::path::PathBuf::from(args.get(2).expect("store-gone DIR"));
+            let (r, n) = (comm.rank(), comm.world_size());
+            ck.ok("barrier after set-up", comm.barrier());
+            if r == 0 {
+                std::fs::write(dir.join("ready"), b"").expect("DIR/ready");
+            }
+            if !await_file(&dir.join("killed")) {
+                ck.fail("the store was not killed within a minute".into());
+            }
+            for len in [4usize, 1 << 20] {
+                let mut v = vec![(r + 1) as f32; len];
+                if ck
+                    .ok(
+                        "allreduce without a store",
+                        comm.allreduce(&mut v, ReduceOp::Sum),
+                    )
+                    .is_some()
+                {
+                    let want = (n * (n + 1) / 2) as f32;
+                    ck.vec("allreduce without a store", &v, |_| want, len);
+                }
+            }
+            ck.ok("barrier without a store", comm.barrier());
+            if r == n - 1 {
+                exit(7);
+            }
+            let mut v = vec![1.0f32; 1 << 20];
+            loop {
+                if let Err(e) = comm.allreduce(&mut v, ReduceOp::Sum) {
+                    println!("rank {r} error after {:?}: {e}", started.elapsed());
+                    break;
+                }
+                if started.elapsed() > std::time::Duration::from_secs(60) {
+                    ck.fail("no error a minute after the last rank died".into());
+                    break;
                 }
             }
         }
