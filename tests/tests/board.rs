@@ -149,7 +149,7 @@ fn ranks_that_pick_different_board_algorithms_fail_instead_of_hanging() {
 /// naming the first wrong result.
 fn every_collective_through(n: usize, algo: &str, counts: Vec<usize>) {
     let results = with_ranks(n, options(algo), move |comm: Communicator| {
-        let (me, root) = (comm.rank(), n - 1);
+        let me = comm.rank();
         let sum = |i: usize| (0..n).map(|r| value(r, i)).sum::<i64>();
         let mut wrong = Vec::new();
         let mut check = |what: &str, got: &[i64], want: &dyn Fn(usize) -> i64| {
@@ -161,7 +161,9 @@ fn every_collective_through(n: usize, algo: &str, counts: Vec<usize>) {
                 ));
             }
         };
-        for &c in &counts {
+        for (k, &c) in counts.iter().enumerate() {
+            // Every root in turn, across the counts and the world sizes.
+            let root = (n - 1 + k) % n;
             let kinds = [
                 CollectiveKind::Broadcast,
                 CollectiveKind::Reduce,
@@ -272,7 +274,7 @@ fn every_collective_through_the_board_in_chunks() {
     // A chunk is 256 KiB: 32768 i64 of a one-block layout, 32768/n of an
     // n-block one (reduce-scatter, all-to-all, scatter).
     for n in [2usize, 3, 4, 5, 8] {
-        every_collective_through(n, "board", vec![0, 1, n + 1, 4099, 40_000]);
+        every_collective_through(n, "board", vec![0, 1, n + 1, 4099, 40_000, 2, 9]);
     }
     every_collective_through(3, "board,reduce=board-direct", vec![1, 40_000]);
 }
