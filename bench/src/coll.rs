@@ -3,7 +3,7 @@
 use ccl::{Algorithm, Choice, CollectiveKind};
 
 /// A collective (a subcommand of ccl-bench and an argument of `compare-mpi`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Coll {
     Allreduce,
     Broadcast,

@@ -1,15 +1,17 @@
 //! `ccl-bench tune`: measures every algorithm of every collective on this
 //! machine (one `ccl-bench <collective> --algo all` run per world size and
 //! kind of links) and writes the tuning table that ccl's tuner reads
-//! (`algorithms/tuning.table`, see `ccl_algorithms::tuner`).
+//! (`algorithms/tuning.table`, see `ccl_algorithms::tuner`), or, with
+//! `--check`, tells how far a table's choices are from the fastest.
 
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
+use ccl_algorithms::{Links, Tuner};
 use clap::Args;
 
 use crate::{
@@ -48,14 +50,29 @@ pub struct TuneArgs {
     /// Untimed iterations before the timed ones
     #[arg(short = 'w', long, value_name = "N", default_value = "3")]
     pub warmup: usize,
+    /// Runs of each sweep; every point takes the median over them
+    #[arg(long, value_name = "N", default_value = "1")]
+    pub repeats: usize,
     /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
+    /// With --out: keep the lines of that file which this run does not
+    /// measure (other collectives, kinds of links or world sizes)
+    #[arg(long, requires = "out")]
+    pub merge: bool,
+    /// Measure as for a table, but print how much slower the choices of this
+    /// table are than the fastest algorithm at each point
+    #[arg(long, value_name = "TABLE", conflicts_with = "out")]
+    pub check: Option<PathBuf>,
 }
 
 /// Runs the sweeps and writes the table; returns the exit status.
 pub fn tune(args: TuneArgs) -> i32 {
-    match run(&args) {
+    let result = match &args.check {
+        Some(table) => check(&args, table),
+        None => make_table(&args),
+    };
+    match result {
         Ok(table) => match &args.out {
             Some(path) => match std::fs::write(path, table) {
                 Ok(()) => {
@@ -79,7 +96,13 @@ pub fn tune(args: TuneArgs) -> i32 {
     }
 }
 
-fn run(args: &TuneArgs) -> Result<String, String> {
+/// One sweep's medians: time (us) per (collective, links, world size), size
+/// and algorithm.
+type Measured = BTreeMap<(Coll, String, usize), BTreeMap<u64, Vec<(f64, String)>>>;
+
+/// Runs every sweep `--repeats` times; each point is the median of the runs'
+/// median times.
+fn measure(args: &TuneArgs) -> Result<Measured, String> {
     for l in &args.links {
         if l != "shm" && l != "tcp" {
             return Err(format!("--links {l}: expected shm or tcp"));
@@ -87,6 +110,9 @@ fn run(args: &TuneArgs) -> Result<String, String> {
     }
     if args.world_sizes.iter().any(|&n| n < 2) {
         return Err("--world-sizes: every world size must be at least 2".into());
+    }
+    if args.repeats == 0 {
+        return Err("--repeats must be at least 1".into());
     }
     let sizes = args.sizes.sizes()?;
     let (first, last) = (sizes[0], sizes[sizes.len() - 1]);
@@ -101,59 +127,193 @@ fn run(args: &TuneArgs) -> Result<String, String> {
     let exe = std::env::current_exe().map_err(|e| format!("finding ccl-bench itself: {e}"))?;
     let dir = std::env::temp_dir().join(format!("ccl-bench-tune-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut table = header(args);
-    for coll in &collectives {
+    let mut measured = Measured::new();
+    for &coll in &collectives {
         for links in &args.links {
             for &n in &args.world_sizes {
-                let json = dir.join(format!("{}-{links}-{n}.json", coll.name()));
-                let mut cmd = Command::new(&exe);
-                cmd.arg(coll.name())
-                    .args([
-                        "--ranks",
-                        &n.to_string(),
-                        "--transport",
-                        links,
-                        "--algo",
-                        "all",
-                    ])
-                    .args(["-b", &first.to_string(), "-e", &last.to_string()])
-                    .args(["-f", &args.sizes.factor.to_string()])
-                    .args([
-                        "-n",
-                        &args.iters.to_string(),
-                        "-w",
-                        &args.warmup.to_string(),
-                    ])
-                    .arg("--json")
-                    .arg(&json)
-                    .stdout(Stdio::null());
-                eprintln!("ccl-bench tune: {} over {links}, {n} ranks", coll.name());
-                let status = cmd
-                    .status()
-                    .map_err(|e| format!("running {}: {e}", exe.display()))?;
-                if !status.success() {
-                    return Err(format!(
-                        "{} over {links} with {n} ranks failed ({status})",
-                        coll.name()
-                    ));
-                }
-                let text = std::fs::read_to_string(&json)
-                    .map_err(|e| format!("{}: {e}", json.display()))?;
-                let report: Report =
-                    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", json.display()))?;
-                for (up_to, algo) in best_ranges(&report) {
-                    let up_to = up_to.map_or("-".to_string(), |b| b.to_string());
-                    let _ = writeln!(
-                        table,
-                        "{:<15} {links:<4} {n:<3} {up_to:>11} {algo}",
-                        coll.name()
+                let mut runs: BTreeMap<(u64, String), Vec<f64>> = BTreeMap::new();
+                for run in 1..=args.repeats {
+                    let json = dir.join(format!("{}-{links}-{n}.json", coll.name()));
+                    let mut cmd = Command::new(&exe);
+                    cmd.arg(coll.name())
+                        .args([
+                            "--ranks",
+                            &n.to_string(),
+                            "--transport",
+                            links,
+                            "--algo",
+                            "all",
+                        ])
+                        .args(["-b", &first.to_string(), "-e", &last.to_string()])
+                        .args(["-f", &args.sizes.factor.to_string()])
+                        .args([
+                            "-n",
+                            &args.iters.to_string(),
+                            "-w",
+                            &args.warmup.to_string(),
+                        ])
+                        .arg("--json")
+                        .arg(&json)
+                        .stdout(Stdio::null());
+                    eprintln!(
+                        "ccl-bench tune: {} over {links}, {n} ranks (run {run} of {})",
+                        coll.name(),
+                        args.repeats
                     );
+                    let status = cmd
+                        .status()
+                        .map_err(|e| format!("running {}: {e}", exe.display()))?;
+                    if !status.success() {
+                        return Err(format!(
+                            "{} over {links} with {n} ranks failed ({status})",
+                            coll.name()
+                        ));
+                    }
+                    let text = std::fs::read_to_string(&json)
+                        .map_err(|e| format!("{}: {e}", json.display()))?;
+                    let report: Report = serde_json::from_str(&text)
+                        .map_err(|e| format!("{}: {e}", json.display()))?;
+                    for row in report.rows {
+                        let t = if row.median_time_us > 0.0 {
+                            row.median_time_us
+                        } else {
+                            row.time_us
+                        };
+                        runs.entry((row.size_bytes, row.algo)).or_default().push(t);
+                    }
+                }
+                let points = measured.entry((coll, links.clone(), n)).or_default();
+                for ((size, algo), mut ts) in runs {
+                    ts.sort_by(f64::total_cmp);
+                    points
+                        .entry(size)
+                        .or_default()
+                        .push((ts[ts.len() / 2], algo));
                 }
             }
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
+    Ok(measured)
+}
+
+/// Measures and lays out the table (merged with `--out`'s file on `--merge`).
+fn make_table(args: &TuneArgs) -> Result<String, String> {
+    let earlier = match &args.out {
+        Some(path) if args.merge => {
+            Some(std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?)
+        }
+        _ => None,
+    };
+    let measured = measure(args)?;
+    lay_out(header(args), earlier.as_deref(), &measured)
+}
+
+/// The table: `header`, then the ranges of `measured` and the lines of the
+/// `earlier` table that `measured` does not cover, grouped by collective,
+/// kind of links and world size.
+fn lay_out(header: String, earlier: Option<&str>, measured: &Measured) -> Result<String, String> {
+    let mut lines: BTreeMap<(usize, usize, usize), Vec<String>> = BTreeMap::new();
+    let key = |coll: &str, links: &str, n: usize| {
+        let c = Coll::ALL.iter().position(|c| c.name() == coll);
+        (c.unwrap_or(usize::MAX), usize::from(links != "shm"), n)
+    };
+    let mut table = header;
+    if let Some(text) = earlier {
+        table.push_str(
+            "# The lines it did not measure come from the table before, whose header was:\n",
+        );
+        for line in text.lines() {
+            match line.strip_prefix('#') {
+                Some(comment) => {
+                    if !comment.starts_with(" collective ") {
+                        table.push_str(&format!("#  |{comment}\n"));
+                    }
+                }
+                None => {
+                    let f: Vec<&str> = line.split_whitespace().collect();
+                    if let [coll, links, n, ..] = f[..] {
+                        let n = n.parse().map_err(|_| format!("earlier table: {line:?}"))?;
+                        lines
+                            .entry(key(coll, links, n))
+                            .or_default()
+                            .push(line.to_string());
+                    }
+                }
+            }
+        }
+    }
+    table.push_str("# collective   links ranks up_to_bytes algorithm\n");
+    for ((coll, links, n), points) in measured {
+        let ranges = best_ranges(points)
+            .into_iter()
+            .map(|(up_to, algo)| {
+                let up_to = up_to.map_or("-".to_string(), |b| b.to_string());
+                format!("{:<15} {links:<4} {n:<3} {up_to:>11} {algo}", coll.name())
+            })
+            .collect();
+        lines.insert(key(coll.name(), links, *n), ranges);
+    }
+    for group in lines.values() {
+        for line in group {
+            let _ = writeln!(table, "{line}");
+        }
+    }
     Ok(table)
+}
+
+/// Measures and prints, per point, the table's choice against the fastest.
+fn check(args: &TuneArgs, path: &Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let tuner = Tuner::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let measured = measure(args)?;
+    let mut out = format!(
+        "# choices of {} against the fastest algorithm, {} timed iterations, median of {} runs\n\
+         # collective   links ranks       bytes       chosen   time(us)      fastest   time(us)  ratio\n",
+        path.display(),
+        args.iters,
+        args.repeats
+    );
+    let mut ratios = Vec::new();
+    for ((coll, links, n), points) in &measured {
+        let kind = if links == "shm" {
+            Links::SharedMemory
+        } else {
+            Links::Network
+        };
+        for (size, at) in points {
+            let Some((fastest, winner)) = at.iter().min_by(|a, b| a.0.total_cmp(&b.0)) else {
+                continue;
+            };
+            let chosen = tuner
+                .pick(coll.kind(), *size, *n, kind)
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "-".into());
+            let Some((t, _)) = at.iter().find(|(_, a)| *a == chosen) else {
+                return Err(format!(
+                    "{} over {links}, {n} ranks, {size} B: the table chooses {chosen}, which the sweep did not run",
+                    coll.name()
+                ));
+            };
+            let ratio = t / fastest;
+            ratios.push((ratio, format!("{} {links} {n} ranks {size} B", coll.name())));
+            let _ = writeln!(
+                out,
+                "{:<15} {links:<4} {n:<3} {size:>13} {chosen:>12} {t:>10.1} {winner:>12} {fastest:>10.1} {ratio:>6.2}",
+                coll.name()
+            );
+        }
+    }
+    let within = ratios.iter().filter(|(r, _)| *r <= 1.10).count();
+    let _ = writeln!(
+        out,
+        "# {within} of {} points within 10% of the fastest",
+        ratios.len()
+    );
+    if let Some((r, at)) = ratios.iter().max_by(|a, b| a.0.total_cmp(&b.0)) {
+        let _ = writeln!(out, "# worst: {r:.2}x at {at}");
+    }
+    Ok(out)
 }
 
 fn header(args: &TuneArgs) -> String {
@@ -166,12 +326,13 @@ fn header(args: &TuneArgs) -> String {
         "# ccl tuning table: the fastest algorithm per collective, kind of links, world size\n\
          # and buffer size (bytes, the whole buffer as ccl-bench counts it), as measured by\n\
          #   ccl-bench {}\n\
-         # on {host} ({cores} cores), unix time {}, {} timed iterations per point.\n\
-         # A line covers sizes above the previous line's up_to_bytes up to its own.\n\
-         # collective   links ranks up_to_bytes algorithm\n",
+         # on {host} ({cores} cores), unix time {}, {} timed iterations per point,\n\
+         # median of {} runs of each sweep.\n\
+         # A line covers sizes above the previous line's up_to_bytes up to its own.\n",
         cmd.join(" "),
         unix_time(),
-        args.iters
+        args.iters,
+        args.repeats
     )
 }
 
@@ -179,24 +340,12 @@ fn header(args: &TuneArgs) -> String {
 /// fastest, so that noise does not cut the table into flapping ranges.
 const KEEP_WITHIN: f64 = 1.05;
 
-/// The fastest algorithm at each measured size (by median time), merged into
-/// ranges: each range ends at the last size its algorithm won; the last range
-/// is open.
-fn best_ranges(report: &Report) -> Vec<(Option<u64>, String)> {
-    let mut times: BTreeMap<u64, Vec<(f64, String)>> = BTreeMap::new();
-    for row in &report.rows {
-        let t = if row.median_time_us > 0.0 {
-            row.median_time_us
-        } else {
-            row.time_us
-        };
-        times
-            .entry(row.size_bytes)
-            .or_default()
-            .push((t, row.algo.clone()));
-    }
+/// The fastest algorithm at each measured size (time, algorithm per size),
+/// merged into ranges: each range ends at the last size its algorithm won;
+/// the last range is open.
+fn best_ranges(points: &BTreeMap<u64, Vec<(f64, String)>>) -> Vec<(Option<u64>, String)> {
     let mut ranges: Vec<(Option<u64>, String)> = Vec::new();
-    for (size, at) in times {
+    for (&size, at) in points {
         let Some((fastest, winner)) = at
             .iter()
             .min_by(|a, b| a.0.total_cmp(&b.0))
@@ -224,41 +373,66 @@ fn best_ranges(report: &Report) -> Vec<(Option<u64>, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::Row;
 
-    fn row(size: u64, algo: &str, t: f64) -> Row {
-        Row {
-            size_bytes: size,
-            algo: algo.into(),
-            median_time_us: t,
-            time_us: t,
-            ..Row::default()
+    fn points(rows: &[(u64, &str, f64)]) -> BTreeMap<u64, Vec<(f64, String)>> {
+        let mut points: BTreeMap<u64, Vec<(f64, String)>> = BTreeMap::new();
+        for &(size, algo, t) in rows {
+            points.entry(size).or_default().push((t, algo.into()));
         }
+        points
     }
 
     #[test]
     fn ranges_follow_the_winner_with_a_margin() {
-        let rows = vec![
-            row(8, "board", 1.0),
-            row(8, "rd", 3.0),
-            row(64, "board", 2.0),
-            row(64, "rd", 1.96), // within 5 %: board keeps it
-            row(512, "board", 9.0),
-            row(512, "rd", 4.0),
-            row(4096, "rd", 8.0),
-            row(4096, "ring", 5.0),
-        ];
-        let report = Report {
-            rows,
-            ..Report::default()
-        };
+        let points = points(&[
+            (8, "board", 1.0),
+            (8, "rd", 3.0),
+            (64, "board", 2.0),
+            (64, "rd", 1.96), // within 5 %: board keeps it
+            (512, "board", 9.0),
+            (512, "rd", 4.0),
+            (4096, "rd", 8.0),
+            (4096, "ring", 5.0),
+        ]);
         assert_eq!(
-            best_ranges(&report),
+            best_ranges(&points),
             vec![
                 (Some(64), "board".to_string()),
                 (Some(512), "rd".to_string()),
                 (None, "ring".to_string())
             ]
         );
+    }
+
+    #[test]
+    fn a_merge_replaces_the_measured_groups_and_keeps_the_rest() {
+        let earlier = "# old header\n\
+                       # collective   links ranks up_to_bytes algorithm\n\
+                       allreduce shm 2 64 board\n\
+                       allreduce shm 2 - ring\n\
+                       allreduce shm 4 - ring\n\
+                       broadcast tcp 2 - chain\n";
+        let mut measured = Measured::new();
+        measured.insert(
+            (Coll::Allreduce, "shm".into(), 2),
+            points(&[(8, "board", 1.0), (8, "rd", 2.0)]),
+        );
+        let table = lay_out("# new header\n".into(), Some(earlier), &measured).unwrap();
+        let body: Vec<Vec<&str>> = table
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            body,
+            vec![
+                vec!["allreduce", "shm", "2", "-", "board"],
+                vec!["allreduce", "shm", "4", "-", "ring"],
+                vec!["broadcast", "tcp", "2", "-", "chain"],
+            ]
+        );
+        assert!(table.starts_with("# new header\n"));
+        assert!(table.contains("#  | old header\n"));
+        assert!(Tuner::parse(&table).is_ok());
     }
 }
