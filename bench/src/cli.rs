@@ -5,7 +5,7 @@ use std::{
     time::Duration,
 };
 
-use ccl::{Choice, DataType, ReduceOp};
+use ccl::{Algorithm, Choice, DataType, ReduceOp};
 use clap::{Args, Parser, Subcommand};
 
 use crate::{coll::Coll, size};
@@ -435,6 +435,13 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     }
     plan.transport = transport;
     plan.algos = algos(coll, &a.algo)?;
+    if plan.transport == "tcp" && plan.algos.len() > 1 {
+        // `all` over TCP: no board, so the board algorithms would only
+        // measure the fallback again.
+        plan.algos.retain(|c| {
+            !c.is_some_and(|c| matches!(c.algorithm, Algorithm::Board | Algorithm::BoardDirect))
+        });
+    }
     plan.algo_requested = a.algo.to_ascii_lowercase();
     plan.check = a.check;
     Ok(plan)

@@ -119,8 +119,8 @@ impl Coll {
     /// sendrecv): its schedules, the ring also with pieces of
     /// [`RING_PIECES`] besides the links' default, then the shared-memory
     /// board algorithms, which run only where every rank shares the host
-    /// (and, for the board, the message fits it; the table names what ran
-    /// instead otherwise).
+    /// (the table names what ran instead otherwise; `--transport tcp`
+    /// leaves them out).
     pub fn algorithms(self) -> Vec<Choice> {
         let kind = self.kind();
         let schedules = Algorithm::for_kind(kind);

@@ -439,6 +439,53 @@ fn reports_are_written_and_well_formed() {
 }
 
 #[test]
+fn algo_all_over_tcp_leaves_out_the_board() {
+    let (mark, dir) = scratch("tcp-all");
+    let json = dir.join("r.json");
+    let out = run(
+        &mark,
+        &[
+            "allreduce",
+            "-s",
+            "8B",
+            "--ranks",
+            "2",
+            "--transport",
+            "tcp",
+            "--algo",
+            "all",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v = read_json(&json);
+    let algos: Vec<&str> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["algo"].as_str().unwrap())
+        .collect();
+    assert!(
+        algos.contains(&"ring") && algos.contains(&"rd"),
+        "{algos:?}"
+    );
+    assert!(!algos.iter().any(|a| a.starts_with("board")), "{algos:?}");
+    let mut unique = algos.clone();
+    unique.sort();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        algos.len(),
+        "an algorithm ran twice: {algos:?}"
+    );
+}
+
+#[test]
 fn a_dying_rank_is_named_and_the_rest_stopped() {
     let (mark, _) = scratch("die");
     let start = Instant::now();
