@@ -685,7 +685,7 @@ pub fn compare(a: CompareArgs) -> i32 {
             };
             let series = [
                 Series {
-                    label: "ccl (tcp)".into(),
+                    label: "ccl (defaults: shared memory)".into(),
                     points: pick(&|r| r.ccl.busbw_gbps),
                 },
                 Series {
