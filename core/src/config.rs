@@ -208,15 +208,7 @@ impl Config {
                         .trim()
                         .parse()
                         .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
-                    external: match var("CCL_STORE_EXTERNAL").as_deref() {
-                        None | Some("" | "0") => false,
-                        Some("1") => true,
-                        Some(v) => {
-                            return Err(Error::Config(format!(
-                                "CCL_STORE_EXTERNAL={v:?}: expected 0 or 1"
-                            )))
-                        }
-                    },
+                    external: flag(var("CCL_STORE_EXTERNAL"), "CCL_STORE_EXTERNAL", false)?,
                 },
                 _ if world_size == 1 => Rendezvous::Local,
                 (None, _) => {
@@ -270,28 +262,25 @@ impl Config {
                 .transpose()?
                 .unwrap_or_default(),
             shm_bytes,
-            shm_cma: match var("CCL_SHM_CMA").as_deref() {
-                None | Some("" | "1") => true,
-                Some("0") => false,
-                Some(v) => {
-                    return Err(Error::Config(format!("CCL_SHM_CMA={v:?}: expected 0 or 1")))
-                }
-            },
+            shm_cma: flag(var("CCL_SHM_CMA"), "CCL_SHM_CMA", true)?,
             host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
             job_secret: var("CCL_JOB_SECRET")
                 .filter(|s| !s.is_empty())
                 .map(crate::JobSecret::new)
                 .transpose()?,
-            debug_checks: match var("CCL_DEBUG_CHECKS").as_deref() {
-                None | Some("" | "0") => false,
-                Some("1") => true,
-                Some(v) => {
-                    return Err(Error::Config(format!(
-                        "CCL_DEBUG_CHECKS={v:?}: expected 0 or 1"
-                    )))
-                }
-            },
+            debug_checks: flag(var("CCL_DEBUG_CHECKS"), "CCL_DEBUG_CHECKS", false)?,
         })
+    }
+}
+
+/// A 0/1 switch read from the environment variable `name` (`value`);
+/// unset or empty is `default`.
+fn flag(value: Option<String>, name: &str, default: bool) -> Result<bool> {
+    match value.as_deref() {
+        None | Some("") => Ok(default),
+        Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(Error::Config(format!("{name}={v:?}: expected 0 or 1"))),
     }
 }
 
