@@ -404,22 +404,27 @@ impl Round<'_> {
             if now.duration_since(started) < window {
                 continue;
             }
-            let lost = |cause: &str| Error::PeerLost {
-                rank: bd.rank,
-                peer: p,
-                call: String::new(),
-                cause: cause.to_string(),
+            let left = bd.word32(p, LEFT).load(Ordering::Acquire);
+            let gone = match left {
+                ABORTED => Some("it aborted the communicator"),
+                CLOSED => Some("it dropped the communicator"),
+                _ if bd.exits[p].as_ref().is_some_and(exited) => Some("its process exited"),
+                _ => None,
             };
-            if bd.word32(p, LEFT).load(Ordering::Acquire) == ABORTED {
-                let blame = bd.word32(p, BLAME).load(Ordering::Relaxed) as usize;
-                if blame > 0 && blame - 1 != p && blame - 1 != bd.rank {
-                    return Err(Error::PeerLost {
-                        rank: bd.rank,
-                        peer: blame - 1,
-                        call: String::new(),
-                        cause: format!("rank {p} gave up because of it"),
-                    });
-                }
+            // A peer publishes before it leaves or exits, so it may have
+            // finished this call and gone since the last poll.
+            if gone.is_some() && ready() {
+                return Ok(());
+            }
+            let lost = |peer: usize, cause: String| Error::PeerLost {
+                rank: bd.rank,
+                peer,
+                call: String::new(),
+                cause,
+            };
+            let blame = bd.word32(p, BLAME).load(Ordering::Relaxed) as usize;
+            if left == ABORTED && blame > 0 && blame - 1 != p && blame - 1 != bd.rank {
+                return Err(lost(blame - 1, format!("rank {p} gave up because of it")));
             }
             if bd.word32(bd.rank, LEFT).load(Ordering::Acquire) != 0 {
                 return Err(Error::Broken {
@@ -427,13 +432,8 @@ impl Round<'_> {
                     cause: "this rank left the shared-memory board (aborted)".into(),
                 });
             }
-            match bd.word32(p, LEFT).load(Ordering::Acquire) {
-                ABORTED => return Err(lost("it aborted the communicator")),
-                CLOSED => return Err(lost("it dropped the communicator")),
-                _ => {}
-            }
-            if bd.exits[p].as_ref().is_some_and(exited) {
-                return Err(lost("its process exited"));
+            if let Some(cause) = gone {
+                return Err(lost(p, cause.to_string()));
             }
             if now >= self.deadline {
                 return Err(Error::Timeout {
@@ -579,4 +579,76 @@ pub fn connect_board(
         })
         .collect();
     Ok(Ok(board))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{cell::Cell, sync::Arc, thread};
+
+    use ccl_core::{CollectiveKind, DataType, Fingerprint, HashStore};
+
+    use super::*;
+
+    /// Two boards of one communicator, as two ranks would hold them.
+    fn pair(spin: Spin) -> (Board, Board) {
+        let store = Arc::new(HashStore::new());
+        let connect = move |rank: usize, store: Arc<HashStore>| {
+            connect_board(
+                rank,
+                2,
+                9,
+                &*store,
+                Path::new(crate::SHM_DIR),
+                SLICE * 100,
+                spin,
+            )
+            .expect("store")
+            .expect("board")
+        };
+        let other = {
+            let store = store.clone();
+            thread::spawn(move || connect(1, store))
+        };
+        let zero = connect(0, store);
+        (zero, other.join().expect("rank 1"))
+    }
+
+    /// The peer publishes and leaves between a poll and the look at whether
+    /// it is gone: the wait succeeds, as the data is there.
+    #[test]
+    fn a_peer_that_published_then_left_is_not_lost() {
+        let spin = Spin {
+            window: Duration::ZERO,
+            yield_between: false,
+            repoll: false,
+        };
+        let (zero, one) = pair(spin);
+        let header = FrameHeader::data(
+            9,
+            0,
+            0,
+            0,
+            Fingerprint::new(CollectiveKind::Barrier, DataType::U8, 0),
+        );
+        let round = zero.begin(header, SLICE * 20).expect("begin");
+        // wait_for polls once, then POLLS_PER_CLOCK times before it looks at
+        // the peer: the last of those polls fails, and the peer leaves.
+        let polls = Cell::new(0u32);
+        let last_failing_poll = POLLS_PER_CLOCK + 1;
+        let waited = round.wait_for(1, || {
+            polls.set(polls.get() + 1);
+            if polls.get() == last_failing_poll {
+                one.leave(CLOSED);
+            }
+            polls.get() > last_failing_poll
+        });
+        assert!(waited.is_ok(), "{waited:?}");
+        assert_eq!(polls.get(), last_failing_poll + 1, "looked again once");
+        // Without the data, the same departure is a lost peer.
+        let never = round.wait_for(1, || false);
+        assert!(
+            matches!(never, Err(Error::PeerLost { peer: 1, .. })),
+            "{never:?}"
+        );
+    }
 }

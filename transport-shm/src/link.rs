@@ -275,8 +275,12 @@ impl ShmLink {
             if self.aborted.load(Ordering::Acquire) {
                 return Poll::Ready(Err(self.lost("the link was aborted")));
             }
+            // A peer writes before it closes or exits, so `ready()` is asked
+            // once more after it is seen gone.
             if self.word(self.other(), CLOSED).load(Ordering::Acquire) != 0 {
-                return Poll::Ready(Err(self.lost("it closed the shared-memory link")));
+                return Poll::Ready(
+                    self.unless_ready(&mut ready, "it closed the shared-memory link"),
+                );
             }
             if ccl_core::repolling() {
                 return Poll::Pending;
@@ -295,7 +299,7 @@ impl ShmLink {
                     })
                 });
                 if exit.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Err(self.lost("its process exited")));
+                    return Poll::Ready(self.unless_ready(&mut ready, "its process exited"));
                 }
             }
             asleep.get_or_insert_with(Instant::now);
@@ -315,6 +319,15 @@ impl ShmLink {
             }
         })
         .await
+    }
+
+    /// `Ok` if `ready()` holds after all, else the peer is lost for `cause`.
+    fn unless_ready(&self, ready: &mut impl FnMut() -> bool, cause: &str) -> Result<()> {
+        if ready() {
+            Ok(())
+        } else {
+            Err(self.lost(cause))
+        }
     }
 
     /// Adapts the spin window to a wait that ended, after sleeping since
