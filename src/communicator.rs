@@ -232,17 +232,21 @@ fn connect_shared_memory(
 
 /// Fails clearly, before any link is made, if two processes claim `rank` or
 /// the ranks disagree on the world size (instead of a timeout later).
+/// Returns the rank whose process serves the store, if one does.
 fn check_membership(
     rank: usize,
     world_size: usize,
     store: &dyn Store,
     timeout: Duration,
-) -> Result<()> {
+) -> Result<Option<usize>> {
     let claims = store.add(&format!("member/{rank}/claims"), 1)?;
     if claims > 1 {
         return Err(Error::Config(format!(
             "rank {rank} is claimed by {claims} processes (RANK or its equivalent is wrong)"
         )));
+    }
+    if store.served_here() {
+        store.set("store-host", rank.to_string().as_bytes())?;
     }
     store.set(
         &format!("member/{rank}/world"),
@@ -259,7 +263,10 @@ fn check_membership(
             )));
         }
     }
-    Ok(())
+    // Set, if at all, before its rank's world size, which every rank has read.
+    Ok(store
+        .try_get("store-host")?
+        .and_then(|v| String::from_utf8(v).ok()?.parse().ok()))
 }
 
 /// The last step of set-up: every other rank tells rank 0 that it is done
@@ -507,9 +514,11 @@ impl Communicator {
             timeout: options.timeout,
             secret: options.secret.clone(),
         };
-        if world_size > 1 {
-            check_membership(rank, world_size, &*scoped, options.timeout)?;
-        }
+        let store_host = if world_size > 1 {
+            check_membership(rank, world_size, &*scoped, options.timeout)?
+        } else {
+            None
+        };
         let mut nshm = 0;
         let links = if world_size > 1 {
             let shm = connect_shared_memory(rank, world_size, comm, &*scoped, &options, &runtime)?;
@@ -549,7 +558,7 @@ impl Communicator {
             rank,
             runtime,
             links,
-            scoped,
+            (scoped, store_host),
             spin,
             board,
             options.debug_checks,

@@ -157,6 +157,8 @@ struct Shared {
     rank: usize,
     links: Vec<Option<Arc<dyn Link>>>,
     store: Arc<dyn Store>,
+    /// The rank whose process serves the store, if one does.
+    store_host: Option<usize>,
     broken: Mutex<Option<Error>>,
     queue: Mutex<Queue>,
     /// Wakes the progress thread when it sleeps outside the runtime.
@@ -341,7 +343,9 @@ impl Shared {
 
     /// Records the first failure of the communicator in the store, or, if
     /// another rank recorded one and `e` only says that a link closed, blames
-    /// the recorded rank instead of the messenger.
+    /// the recorded rank instead of the messenger. If the store is gone and
+    /// a rank's process served it, the error says so: that rank may be the
+    /// one that failed first (or it gave up and exited since).
     async fn attribute(&self, e: Error) -> Error {
         let notice = AbortNotice {
             failed_rank: e.failed_rank().unwrap_or(self.rank) as u32,
@@ -353,6 +357,28 @@ impl Shared {
             tokio::task::spawn_blocking(move || store.compare_set(ABORT_KEY, None, &encoded));
         let recorded = match tokio::time::timeout(ABORT_RECORD_DEADLINE, record).await {
             Ok(Ok(Ok(bytes))) => AbortNotice::decode(&bytes).ok(),
+            Ok(Ok(Err(Error::Store { .. }))) => {
+                return match (e, self.store_host) {
+                    (
+                        Error::PeerLost {
+                            rank,
+                            peer,
+                            call,
+                            cause,
+                        },
+                        Some(host),
+                    ) if host != peer && host != rank => Error::PeerLost {
+                        rank,
+                        peer,
+                        call,
+                        cause: format!(
+                            "{cause} (the store, served by rank {host}'s process, is gone too: \
+                             rank {host} may have failed first)"
+                        ),
+                    },
+                    (e, _) => e,
+                };
+            }
             _ => None,
         };
         match (e, recorded) {
@@ -418,13 +444,13 @@ pub(crate) struct Engine {
 
 impl Engine {
     /// Starts the progress thread for `links` on `runtime`. `store` is the
-    /// communicator's own (prefixed) store; `spin` how long a waiting thread
-    /// polls before it sleeps.
+    /// communicator's own (prefixed) store and the rank that serves it, if
+    /// one does; `spin` how long a waiting thread polls before it sleeps.
     pub fn start(
         rank: usize,
         runtime: Runtime,
         links: Vec<Option<Arc<dyn Link>>>,
-        store: Arc<dyn Store>,
+        (store, store_host): (Arc<dyn Store>, Option<usize>),
         spin: Spin,
         board: Option<Board>,
         debug_checks: bool,
@@ -433,6 +459,7 @@ impl Engine {
             rank,
             links,
             store,
+            store_host,
             broken: Mutex::new(None),
             queue: Mutex::new(Queue::default()),
             wake_thread: Condvar::new(),

@@ -43,6 +43,12 @@ pub trait Store: Send + Sync {
     /// A short description for error messages ("tcp://host:port", "file:///dir").
     fn describe(&self) -> String;
 
+    /// Whether this process serves the store, so that the store is gone once
+    /// the process is (a [`TcpStore`] made by `serve`).
+    fn served_here(&self) -> bool {
+        false
+    }
+
     /// Waits for `key`, then returns its value.
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         self.wait(&[key], timeout)?;
@@ -129,6 +135,9 @@ impl Store for PrefixStore {
     }
     fn describe(&self) -> String {
         format!("{} (prefix '{}')", self.inner.describe(), self.prefix)
+    }
+    fn served_here(&self) -> bool {
+        self.inner.served_here()
     }
 }
 

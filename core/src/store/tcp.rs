@@ -1276,6 +1276,10 @@ impl Store for TcpStore {
     fn describe(&self) -> String {
         format!("store {}", self.desc)
     }
+
+    fn served_here(&self) -> bool {
+        self.server.is_some()
+    }
 }
 
 #[cfg(test)]
