@@ -15,12 +15,13 @@
 //! rank that made another call is a mismatch, never a silent success.
 //!
 //! [`Algorithm::BoardDirect`](ccl_algorithms::Algorithm::BoardDirect)
-//! (allreduce, reduce): each rank posts its chunk, reduces block `rank` of
-//! it (1/n of the elements) from every rank's post in rank order, publishes
-//! that block in a second phase, and the ranks that want the result copy
-//! every other rank's block. Each byte is reduced once on the whole host, by
-//! one rank, and moves through memory about three times per rank (post,
-//! reduce, copy out), with no per-message hand-shake.
+//! (allreduce, reduce): a chunk is cut into n shares. Each rank posts the
+//! shares of the others, reduces its own share (1/n of the elements) from
+//! its input and every other rank's post, publishes the result in a second
+//! phase (in the place of its share, which it did not post), and the ranks
+//! that want the result copy every other rank's share. Each byte is reduced
+//! once on the whole host, by one rank; per rank, (n−1)/n of the buffer is
+//! posted, 1/n reduced and (n−1)/n copied out, with no per-message hand-shake.
 
 use std::time::{Duration, Instant};
 
@@ -144,9 +145,19 @@ impl BoardCall {
             let posted = |r: usize| if self.posts(r) { blocks * len } else { 0 };
             let header = FrameHeader::data(call.comm, call.seq, step, 0, call.fingerprint);
             let round = board.begin(header, timeout.saturating_sub(started.elapsed()))?;
-            if self.posts(me) {
-                let parts: Vec<&[u8]> = (0..blocks).map(|b| inp(b * part + off, len)).collect();
-                round.post_parts(&parts)?;
+            let elems = len / es;
+            // Bytes of rank p's share of a chunk (board-direct).
+            let share = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
+            if direct {
+                // The others reduce every share but this rank's own, which
+                // it reduces straight from its input.
+                let (lo, hi) = share(me);
+                round.post_at(len, &[(0, inp(off, lo)), (hi, inp(off + hi, len - hi))])?;
+            } else if self.posts(me) {
+                let parts: Vec<(usize, &[u8])> = (0..blocks)
+                    .map(|b| (b * len, inp(b * part + off, len)))
+                    .collect();
+                round.post_at(blocks * len, &parts)?;
             } else {
                 round.post(&[])?;
             }
@@ -154,20 +165,20 @@ impl BoardCall {
                 round.read(r, posted(r))?;
             }
             let is_root = me == self.root;
-            let elems = len / es;
-            // Bytes of rank p's share of a chunk (board-direct).
-            let share = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
             match self.kind {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
                     let (lo, hi) = share(me);
                     let wants = self.kind == CollectiveKind::AllReduce || is_root;
+                    // In place, this rank's share of the output already holds its input.
+                    let in_place = wants && std::ptr::eq(input.0, output.0);
+                    let own = (!in_place).then(|| inp(off + lo, hi - lo));
                     let mine = if wants {
                         out(off + lo, hi - lo)
                     } else {
                         scratch.resize(hi - lo, 0);
                         &mut scratch[..]
                     };
-                    self.reduce_all(&round, n, len, mine, lo..hi)?;
+                    self.reduce_share(&round, me, n, len, mine, own, lo..hi)?;
                     round.post_reduced(lo, mine)?;
                     if wants {
                         for p in (0..n).filter(|&p| p != me) {
@@ -216,6 +227,41 @@ impl BoardCall {
                 return Ok(());
             }
         }
+    }
+
+    /// Board-direct's reduction of this rank's share: `out = own ⊕ posted_r[range]`
+    /// over the other ranks in rank order (`own`: this rank's input share;
+    /// `None`: `out` holds it already), where every rank posted `len`
+    /// bytes, then the op's last step. Every op is commutative, and one
+    /// rank alone reduces each share, so every rank gets the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_share(
+        &self,
+        round: &Round<'_>,
+        me: usize,
+        n: usize,
+        len: usize,
+        out: &mut [u8],
+        own: Option<&[u8]>,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let mut others = (0..n).filter(|&r| r != me);
+        match others.next() {
+            None => {
+                if let Some(own) = own {
+                    copy(out, own);
+                }
+            }
+            Some(first) => {
+                let posted = &round.read(first, len)?[range.clone()];
+                op::reduce(self.op, self.dtype, out, own, posted)?;
+                for r in others {
+                    let posted = &round.read(r, len)?[range.clone()];
+                    op::reduce(self.op, self.dtype, out, None, posted)?;
+                }
+            }
+        }
+        op::finalize(self.op, self.dtype, out, n)
     }
 
     /// `out = Σ_r posted_r[range]` in rank order, where every rank posted

@@ -255,16 +255,18 @@ impl Round<'_> {
     /// Copies `data` into this rank's slot and publishes it with the call's
     /// header (whose `len` is set to `data.len()`).
     pub fn post(&self, data: &[u8]) -> Result<()> {
-        self.post_parts(&[data])
+        self.post_at(data.len(), &[(0, data)])
     }
 
-    /// [`Round::post`] of `parts` one after the other.
-    pub fn post_parts(&self, parts: &[&[u8]]) -> Result<()> {
+    /// Publishes a payload of `len` bytes of which this rank writes only
+    /// `parts`, each at its offset; peers must read nothing else of it (the
+    /// rest may be written later by [`Round::post_reduced`]).
+    pub fn post_at(&self, len: usize, parts: &[(usize, &[u8])]) -> Result<()> {
         let bd = self.board;
-        let len: usize = parts.iter().map(|p| p.len()).sum();
-        if len > bd.slot {
+        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
+        if len > bd.slot || end > len {
             return Err(Error::Internal(format!(
-                "{len} bytes do not fit a {}-byte board slot",
+                "a {len}-byte payload with parts up to byte {end} does not fit a {}-byte board slot",
                 bd.slot
             )));
         }
@@ -274,14 +276,14 @@ impl Round<'_> {
             ..self.header
         };
         // SAFETY: this rank's own slot, which no peer reads until the call
-        // number below is published (peers finished the previous use, see `begin`).
+        // number below is published (peers finished the previous use, see
+        // `begin`); every part lies inside the payload (checked above).
         unsafe {
             let base = bd.seg.base().add(at);
             std::ptr::copy_nonoverlapping(header.encode().as_ptr(), base.add(8), HEADER_LEN);
-            let mut to = base.add(SLOT_HEAD);
-            for part in parts {
+            for (offset, part) in parts {
+                let to = base.add(SLOT_HEAD + offset);
                 std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
-                to = to.add(part.len());
             }
         }
         bd.seg.word(at).store(self.b, Ordering::Release);
