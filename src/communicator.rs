@@ -91,8 +91,15 @@ impl Default for Options {
     }
 }
 
-/// Polling window (`CCL_SPIN_US` overrides).
-const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Polling window when every rank of this host has a core of its own
+/// (`CCL_SPIN_US` overrides). A rank that sleeps gives its core up, and on a
+/// virtual machine the hypervisor may not run it again for milliseconds
+/// after the peer's wake-up; polling this long catches a peer delayed by an
+/// interrupt or by the hypervisor before that happens.
+const SPIN_OWN_CORE: Duration = Duration::from_millis(1);
+/// Polling window when this host's ranks outnumber its cores: the others
+/// need the core.
+const SPIN_SHARED_CORE: Duration = Duration::from_micros(50);
 
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
@@ -140,9 +147,14 @@ impl Options {
             algo: config.algo.clone(),
             spin: {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let shared_cores = config.local_world_size > cores;
                 Spin {
-                    window: config.spin.unwrap_or(DEFAULT_SPIN),
-                    yield_between: config.local_world_size > cores,
+                    window: config.spin.unwrap_or(if shared_cores {
+                        SPIN_SHARED_CORE
+                    } else {
+                        SPIN_OWN_CORE
+                    }),
+                    yield_between: shared_cores,
                     repoll: false,
                 }
             },
