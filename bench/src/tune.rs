@@ -336,33 +336,51 @@ fn header(args: &TuneArgs) -> String {
     )
 }
 
-/// An algorithm keeps winning sizes while it is within this factor of the
-/// fastest, so that noise does not cut the table into flapping ranges.
+/// An algorithm may serve a size where it measured within this factor of
+/// the fastest, so that noise does not cut the table into flapping ranges.
 const KEEP_WITHIN: f64 = 1.05;
 
-/// The fastest algorithm at each measured size (time, algorithm per size),
-/// merged into ranges: each range ends at the last size its algorithm won;
-/// the last range is open.
+/// The fewest ranges that give every measured size an algorithm within
+/// [`KEEP_WITHIN`] of its fastest (time, algorithm per size); the last range
+/// is open. Going up from the smallest size, each range takes the algorithm
+/// that stays acceptable longest (the fewest ranges, as for any covering by
+/// intervals), breaking ties by the smaller sum of its times over the range.
+/// A size where a second algorithm wins by a hair thus does not become a
+/// range of its own between two ranges of the first.
 fn best_ranges(points: &BTreeMap<u64, Vec<(f64, String)>>) -> Vec<(Option<u64>, String)> {
+    let sizes: Vec<(u64, &Vec<(f64, String)>)> = points
+        .iter()
+        .filter(|(_, at)| !at.is_empty())
+        .map(|(s, at)| (*s, at))
+        .collect();
+    let acceptable = |i: usize, algo: &str| -> Option<f64> {
+        let at = sizes[i].1;
+        let fastest = at.iter().map(|(t, _)| *t).fold(f64::INFINITY, f64::min);
+        at.iter()
+            .find(|(t, a)| a == algo && *t <= fastest * KEEP_WITHIN)
+            .map(|(t, _)| *t)
+    };
     let mut ranges: Vec<(Option<u64>, String)> = Vec::new();
-    for (&size, at) in points {
-        let Some((fastest, winner)) = at
-            .iter()
-            .min_by(|a, b| a.0.total_cmp(&b.0))
-            .map(|(t, a)| (*t, a.clone()))
-        else {
-            continue;
-        };
-        let incumbent = ranges.last().map(|(_, a)| a.clone());
-        let keep = incumbent.as_ref().is_some_and(|inc| {
-            at.iter()
-                .any(|(t, a)| a == inc && *t <= fastest * KEEP_WITHIN)
-        });
-        match ranges.last_mut() {
-            Some((up_to, _)) if keep => *up_to = Some(size),
-            Some((up_to, a)) if *a == winner => *up_to = Some(size),
-            _ => ranges.push((Some(size), winner)),
+    let mut start = 0;
+    while start < sizes.len() {
+        // (end, -total time, algorithm): the longest run, then the fastest.
+        let mut best: Option<(usize, f64, String)> = None;
+        for (_, algo) in sizes[start].1 {
+            let (mut end, mut total) = (start, 0.0);
+            while let Some(t) = sizes.get(end).and_then(|_| acceptable(end, algo)) {
+                total += t;
+                end += 1;
+            }
+            let better = best
+                .as_ref()
+                .is_none_or(|(e, t, _)| end > *e || (end == *e && total < *t));
+            if end > start && better {
+                best = Some((end, total, algo.clone()));
+            }
         }
+        let (end, _, algo) = best.expect("the fastest algorithm at a size is acceptable there");
+        ranges.push((Some(sizes[end - 1].0), algo));
+        start = end;
     }
     if let Some(last) = ranges.last_mut() {
         last.0 = None;
@@ -402,6 +420,37 @@ mod tests {
                 (None, "ring".to_string())
             ]
         );
+    }
+
+    #[test]
+    fn a_size_won_by_a_hair_is_no_range_of_its_own() {
+        // board wins everywhere but at 64, where direct is 4 % faster; the
+        // old greedy rule made three ranges of it.
+        let hair = points(&[
+            (8, "board", 1.0),
+            (8, "direct", 1.5),
+            (64, "board", 1.04),
+            (64, "direct", 1.0),
+            (512, "board", 1.0),
+            (512, "direct", 1.3),
+            (4096, "board", 3.0),
+            (4096, "direct", 1.0),
+        ]);
+        assert_eq!(
+            best_ranges(&hair),
+            vec![
+                (Some(512), "board".to_string()),
+                (None, "direct".to_string())
+            ]
+        );
+        // Where two algorithms last equally long, the faster over the range.
+        let tied = points(&[
+            (8, "a", 1.0),
+            (8, "b", 1.01),
+            (64, "a", 1.0),
+            (64, "b", 0.98),
+        ]);
+        assert_eq!(best_ranges(&tied), vec![(None, "b".to_string())]);
     }
 
     #[test]
