@@ -232,8 +232,9 @@ impl BoardCall {
     /// Board-direct's reduction of this rank's share: `out = own ⊕ posted_r[range]`
     /// over the other ranks in rank order (`own`: this rank's input share;
     /// `None`: `out` holds it already), where every rank posted `len`
-    /// bytes, then the op's last step. Every op is commutative, and one
-    /// rank alone reduces each share, so every rank gets the same bits.
+    /// bytes, then the op's last step. Every op is commutative, so the
+    /// reduction may start from this rank's input; one rank alone reduces
+    /// each share, so every rank gets the same bits.
     #[allow(clippy::too_many_arguments)]
     fn reduce_share(
         &self,
