@@ -789,35 +789,17 @@ impl Communicator {
         inline: bool,
     ) {
         let choice = self.choice_for(req.kind, req.count, req.dtype);
-        let algorithm = choice.algorithm;
-        let plan = if matches!(algorithm, Algorithm::Board | Algorithm::BoardDirect) {
-            Plan::Board(BoardCall {
-                kind: req.kind,
-                dtype: req.dtype,
-                count: req.count,
-                op: req.op,
-                root: req.root,
-                direct: algorithm == Algorithm::BoardDirect,
-            })
-        } else {
-            match self.schedule(&req, choice) {
+        let plan = match Self::board_call(&req, choice) {
+            Some(b) => Plan::Board(b),
+            None => match self.schedule(&req, choice) {
                 Ok(s) => Plan::Schedule(s),
                 Err(e) => return done(Err(e)),
-            }
+            },
         };
-        let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let call = Call {
-            comm: self.comm,
-            seq,
-            fingerprint: Self::fingerprint(&req),
-            rank: self.rank,
-            world_size: self.world_size,
-            op: req.op,
-        };
-        tracing::debug!(rank = self.rank, call = %call.name(), algorithm = %choice, "collective");
         // Sequence numbers must follow execution order: keep the lock while
         // the job is queued (or, inline, runs).
+        let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let call = self.next_call(&req, choice);
         self.engine().submit(
             Job {
                 plan,
@@ -829,6 +811,50 @@ impl Communicator {
             },
             inline,
         );
+    }
+
+    /// The board call `req` makes with `choice`, if a board algorithm.
+    fn board_call(req: &Request, choice: Choice) -> Option<BoardCall> {
+        matches!(choice.algorithm, Algorithm::Board | Algorithm::BoardDirect).then(|| BoardCall {
+            kind: req.kind,
+            dtype: req.dtype,
+            count: req.count,
+            op: req.op,
+            root: req.root,
+            direct: choice.algorithm == Algorithm::BoardDirect,
+        })
+    }
+
+    /// Takes the next sequence number for `req` (under `submit_lock`) and
+    /// logs the choice.
+    fn next_call(&self, req: &Request, choice: Choice) -> Call {
+        let call = Call {
+            comm: self.comm,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            fingerprint: Self::fingerprint(req),
+            rank: self.rank,
+            world_size: self.world_size,
+            op: req.op,
+        };
+        tracing::debug!(rank = self.rank, call = %call.name(), algorithm = %choice, "collective");
+        call
+    }
+
+    /// Runs `req` on `io` and waits for it: a board call straight on this
+    /// thread when the engine is idle, anything else as a job.
+    fn run_blocking(&self, req: Request, io: IoBuffers<'_>) -> Result<()> {
+        let choice = self.choice_for(req.kind, req.count, req.dtype);
+        if let Some(board_call) = Self::board_call(&req, choice) {
+            let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let call = || self.next_call(&req, choice);
+            if let Some(result) =
+                self.engine()
+                    .run_board_now(&board_call, call, &io, self.timeout())
+            {
+                return result;
+            }
+        }
+        self.run_borrowed(io, |io, done| self.submit(req, io, done, true))
     }
 
     /// Queues a point-to-point transfer (`send` true: to `peer`, else from `peer`).
@@ -905,7 +931,7 @@ impl Communicator {
             Some(i) => IoBuffers::separate(bytemuck::cast_slice(i), out),
             None => IoBuffers::in_place(out),
         };
-        self.run_borrowed(io, |io, done| self.submit(req, io, done, true))
+        self.run_blocking(req, io)
     }
 
     /// Runs `req` with `input` (or in place) and `output` given as sub-slices of
@@ -931,7 +957,7 @@ impl Communicator {
                 output_range.len() * s,
             )
         };
-        self.run_borrowed(io, |io, done| self.submit(req, io, done, true))
+        self.run_blocking(req, io)
     }
 
     /// Pre-multiplies a copy of the input for `PreMulSum`; other ops need none.

@@ -192,14 +192,19 @@ impl Shared {
         lock(&self.broken).clone()
     }
 
-    fn fail_broken(&self, job: Job) {
+    /// The error of a call made on a broken or dropped communicator.
+    fn broken_error(&self) -> Error {
         let cause = self
             .broken()
             .map_or_else(|| "the communicator was dropped".into(), |e| e.to_string());
-        (job.done)(Err(Error::Broken {
+        Error::Broken {
             rank: self.rank,
             cause,
-        }));
+        }
+    }
+
+    fn fail_broken(&self, job: Job) {
+        (job.done)(Err(self.broken_error()));
     }
 
     /// Runs one job to completion (or failure), breaking the communicator on error.
@@ -318,6 +323,12 @@ impl Shared {
     /// Hands `result` to `done`; a failure first breaks the communicator
     /// (recorded in the store, every peer told).
     async fn finish(&self, done: Box<dyn FnOnce(Result<()>) + Send>, result: Result<()>) {
+        done(self.settle(result).await);
+    }
+
+    /// The result a call reports: a failure first breaks the communicator
+    /// (recorded in the store, every peer told).
+    async fn settle(&self, result: Result<()>) -> Result<()> {
         let rank = self.rank;
         let result = match result {
             Err(_) if self.abort_requested.load(Ordering::Acquire) => Err(self.aborted_error()),
@@ -338,7 +349,7 @@ impl Shared {
                 self.abort_links(e).await;
             }
         }
-        done(result);
+        result
     }
 
     /// Records the first failure of the communicator in the store, or, if
@@ -509,14 +520,6 @@ impl Engine {
         };
         match job {
             Some(job) => {
-                if let Plan::Board(b) = &job.plan {
-                    // No runtime on the way, unless the call fails.
-                    match self.shared.run_board(b, &job) {
-                        Ok(()) => (job.done)(Ok(())),
-                        Err(e) => self.runtime.block_on(self.shared.finish(job.done, Err(e))),
-                    }
-                    return self.stop_driving();
-                }
                 let mut scratch = lock(&self.shared.scratch);
                 {
                     let run = std::pin::pin!(self.shared.run(job, &mut scratch));
@@ -530,6 +533,42 @@ impl Engine {
                 self.shared.wake_task.notify_one();
             }
         }
+    }
+
+    /// Runs a board call on this thread when nothing is queued or running,
+    /// without a job, a `Work` or the runtime (unless it fails). `call` makes
+    /// the call, taking its sequence number, only then. `None`: nothing was
+    /// taken or run, and the call must go through [`Engine::submit`].
+    pub fn run_board_now(
+        &self,
+        board_call: &BoardCall,
+        call: impl FnOnce() -> Call,
+        io: &IoBuffers<'_>,
+        timeout: Duration,
+    ) -> Option<Result<()>> {
+        let board = self.shared.board.as_ref()?;
+        // A failure drives the runtime, which would panic inside another one.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return None;
+        }
+        {
+            let mut q = lock(&self.shared.queue);
+            if q.closed || q.driving || !q.jobs.is_empty() {
+                return None;
+            }
+            q.driving = true;
+        }
+        let call = call();
+        let result = if self.shared.broken().is_some() {
+            Err(self.shared.broken_error())
+        } else {
+            match board_call.run(board, &call, io, timeout) {
+                Ok(()) => Ok(()),
+                Err(e) => self.runtime.block_on(self.shared.settle(Err(e))),
+            }
+        };
+        self.stop_driving();
+        Some(result)
     }
 
     /// Gives up driving after an inline job; wakes the progress thread if
