@@ -23,11 +23,11 @@
 //! once on the whole host, by one rank; per rank, (n−1)/n of the buffer is
 //! posted, 1/n reduced and (n−1)/n copied out, with no per-message hand-shake.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ccl_algorithms::{Call, IoBuffers};
 use ccl_core::{op, CollectiveKind, DataType, Error, FrameHeader, ReduceOp, Result};
-use ccl_transport_shm::{Board, Round};
+use ccl_transport_shm::{Board, Deadline, Round};
 
 /// The arguments of one board call.
 #[derive(Clone, Copy, Debug)]
@@ -137,14 +137,14 @@ impl BoardCall {
         let piece = (board.slot_bytes() / blocks / es * es).max(es);
         // Board-direct reduces into scratch where this rank has no output.
         let mut scratch = Vec::new();
-        let started = Instant::now();
+        let deadline = Deadline::after(timeout);
         let mut off = 0;
         let mut step = u32::from(direct);
         loop {
             let len = piece.min(part - off);
             let posted = |r: usize| if self.posts(r) { blocks * len } else { 0 };
             let header = FrameHeader::data(call.comm, call.seq, step, 0, call.fingerprint);
-            let round = board.begin(header, timeout.saturating_sub(started.elapsed()))?;
+            let round = board.begin(header, &deadline)?;
             let elems = len / es;
             // Bytes of rank p's share of a chunk (board-direct).
             let share = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
@@ -302,8 +302,9 @@ impl BoardCall {
 /// [`Error::Mismatch`] instead of a timeout.
 pub(crate) fn announce(board: &Board, call: &Call, timeout: Duration) -> Result<()> {
     let header = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
+    let deadline = Deadline::after(timeout);
     let check = || {
-        let round = board.begin(header, timeout)?;
+        let round = board.begin(header, &deadline)?;
         round.post(&[])?;
         for r in 0..call.world_size {
             round.read(r, 0)?;

@@ -3,8 +3,12 @@
 //!
 //! Each rank owns an area with two slots. For its `b`-th board call a rank
 //! copies its payload into slot `b % 2`, then publishes `b` in the slot's
-//! first word; the others wait for that word and read the payload (and the
-//! frame header next to it, which must match the call they make). Before a
+//! first word; the others wait for that word and read the payload. Next to
+//! the call number lies a digest of the call's frame header, which must
+//! match the digest of the call the reader makes (the full header, for the
+//! error message, lies on the next line). A payload of up to [`INLINE`]
+//! bytes lies on the call number's line too, so that a small call moves one
+//! cache line from each rank to each other. Before a
 //! rank reuses a slot it waits until every peer has published call `b - 1`:
 //! a rank starts a call only after finishing the one before, so by then
 //! nobody reads the slot's previous contents. One write and n − 1 reads of a
@@ -21,9 +25,9 @@
 //! ```text
 //! 0                      magic, ranks, slot bytes
 //! 64 + r·area            rank r: sleepers u32, wake u32, left u32, pid u32, blame u32
-//! 64 + r·area + 64       slot 0: call number u64, frame header (56 bytes)
-//! ... + 64               slot 0: reduced call number u64
-//! ... + 128              slot 0 payload (slot bytes)
+//! 64 + r·area + 64       slot 0: call number u64, header digest u64, inline payload (48 bytes)
+//! ... + 64               slot 0: reduced call number u64, frame header (56 bytes)
+//! ... + 128              slot 0 payload (slot bytes): larger payloads, reduced parts
 //! ... + 128 + slot bytes slot 1: the same
 //! ```
 //!
@@ -34,6 +38,7 @@
 //! still exists (a pidfd) and the deadline.
 
 use std::{
+    cell::Cell,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
@@ -44,7 +49,7 @@ use ccl_core::{frame::HEADER_LEN, Error, FrameHeader, Result, Spin, Store};
 
 use crate::{segment::Segment, window::SpinWindow};
 
-const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD01");
+const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD02");
 const HEAD: usize = 64;
 const LINE: usize = 64;
 /// Longest sleep before the waiter checks on the peer and the deadline.
@@ -101,6 +106,40 @@ impl std::fmt::Debug for Board {
 
 /// Bytes before a slot's payload: the call-number line, the reduced line.
 const SLOT_HEAD: usize = 2 * LINE;
+/// Offset of the header digest in the call-number line.
+const DIGEST: usize = 8;
+/// Offset of an inline payload in the call-number line.
+const INLINE_AT: usize = 16;
+/// Largest payload posted on the call-number line itself.
+pub const INLINE: usize = LINE - INLINE_AT;
+/// Offset of the full frame header in the reduced line.
+const HEADER_AT: usize = LINE + 8;
+
+/// Offset in a slot of a posted payload of `len` bytes.
+fn payload_at(len: usize) -> usize {
+    if len <= INLINE {
+        INLINE_AT
+    } else {
+        SLOT_HEAD
+    }
+}
+
+/// A digest of an encoded frame header: equal headers give equal digests,
+/// and different ones differ but with a chance of 2⁻⁶⁴.
+fn digest(header: &[u8; HEADER_LEN]) -> u64 {
+    // Each word folded in with a multiply-rotate step (as FxHash and
+    // wyhash do), then the bits mixed once more (the murmur3 finalizer).
+    let mut h = 0x243f_6a88_85a3_08d3_u64;
+    for w in header.chunks_exact(8) {
+        let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        h = (h.rotate_left(5) ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
 
 fn area(slot: usize) -> usize {
     LINE + 2 * (SLOT_HEAD + slot)
@@ -193,18 +232,18 @@ impl Board {
         self.seg.load(self.slot_at(r, s))
     }
 
-    /// Starts this rank's next board call: waits (at most `timeout` for the
-    /// whole call) for every
-    /// peer to have published the call before, so that this rank's slot is
-    /// free, and returns the round to post and read in.
-    pub fn begin(&self, header: FrameHeader, timeout: Duration) -> Result<Round<'_>> {
+    /// Starts this rank's next board call: waits (within `deadline`, which
+    /// may be shared by the rounds of one call) for every peer to have
+    /// published the call before, so that this rank's slot is free, and
+    /// returns the round to post and read in.
+    pub fn begin<'a>(&'a self, header: FrameHeader, deadline: &'a Deadline) -> Result<Round<'a>> {
         let b = self.calls.load(Ordering::Relaxed) + 1;
         let round = Round {
             board: self,
             b,
             header,
-            deadline: Instant::now() + timeout,
-            timeout,
+            deadline,
+            posted: Cell::new(None),
         };
         if b > 1 {
             let prev = ((b - 1) % 2) as usize;
@@ -242,13 +281,44 @@ impl Drop for Board {
     }
 }
 
+/// The deadline of a board call: its timeout counts from the first time the
+/// call has to wait, so that a call that never waits reads no clock.
+#[derive(Debug)]
+pub struct Deadline {
+    timeout: Duration,
+    at: Cell<Option<Instant>>,
+}
+
+impl Deadline {
+    /// A deadline `timeout` after the first wait.
+    pub fn after(timeout: Duration) -> Deadline {
+        Deadline {
+            timeout,
+            at: Cell::new(None),
+        }
+    }
+
+    /// When the call times out, given that it waits at `now`.
+    fn at(&self, now: Instant) -> Instant {
+        match self.at.get() {
+            Some(at) => at,
+            None => {
+                let at = now + self.timeout;
+                self.at.set(Some(at));
+                at
+            }
+        }
+    }
+}
+
 /// One board call of this rank.
 pub struct Round<'a> {
     board: &'a Board,
     b: u64,
     header: FrameHeader,
-    deadline: Instant,
-    timeout: Duration,
+    deadline: &'a Deadline,
+    /// The length and header digest this rank posted, once it has.
+    posted: Cell<Option<(usize, u64)>>,
 }
 
 impl Round<'_> {
@@ -274,26 +344,32 @@ impl Round<'_> {
         let header = FrameHeader {
             len: len as u64,
             ..self.header
-        };
+        }
+        .encode();
+        let sum = digest(&header);
+        self.posted.set(Some((len, sum)));
+        let payload = payload_at(len);
         // SAFETY: this rank's own slot, which no peer reads until the call
         // number below is published (peers finished the previous use, see
         // `begin`); every part lies inside the payload (checked above).
         unsafe {
             let base = bd.seg.base().add(at);
-            std::ptr::copy_nonoverlapping(header.encode().as_ptr(), base.add(8), HEADER_LEN);
+            std::ptr::copy_nonoverlapping(header.as_ptr(), base.add(HEADER_AT), HEADER_LEN);
             for (offset, part) in parts {
-                let to = base.add(SLOT_HEAD + offset);
+                let to = base.add(payload + offset);
                 std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
             }
         }
+        bd.seg.word(at + DIGEST).store(sum, Ordering::Relaxed);
         bd.seg.word(at).store(self.b, Ordering::Release);
         bd.wake_sleepers();
         Ok(())
     }
 
     /// The second phase of a call: copies `data` to `offset` of this rank's
-    /// posted payload and publishes it as this rank's reduced part. The range
-    /// must be one that no peer reads in the first phase.
+    /// payload area (where payloads of more than [`INLINE`] bytes are
+    /// posted) and publishes it as this rank's reduced part. The range must
+    /// be one that no peer reads in the first phase.
     pub fn post_reduced(&self, offset: usize, data: &[u8]) -> Result<()> {
         let bd = self.board;
         if offset + data.len() > bd.slot {
@@ -349,28 +425,39 @@ impl Round<'_> {
             self.wait_for(r, || bd.published(r, s) >= self.b)?;
         }
         let at = bd.slot_at(r, s);
-        // SAFETY: the slot was published for this call and its owner does not
-        // write it again before this rank publishes its next call.
-        let (head, data) = unsafe {
-            let base = bd.seg.base().add(at);
-            (
-                std::slice::from_raw_parts(base.add(8), HEADER_LEN),
-                base.add(SLOT_HEAD),
-            )
-        };
-        let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
-            rank: bd.rank,
-            peer: r,
-            call: String::new(),
-            msg,
-        })?;
         let expect = FrameHeader {
             len: len as u64,
             ..self.header
         };
-        expect.check_received(&got, bd.rank, r)?;
-        // SAFETY: as above; `len` is the header's length, at most the slot size.
-        Ok(unsafe { std::slice::from_raw_parts(data, len.min(bd.slot)) })
+        let want = match self.posted.get() {
+            Some((posted, sum)) if posted == len => sum,
+            _ => digest(&expect.encode()),
+        };
+        if bd.seg.load(at + DIGEST) != want {
+            // SAFETY: the slot was published for this call and its owner
+            // does not write it again before this rank publishes its next call.
+            let head = unsafe {
+                std::slice::from_raw_parts(bd.seg.base().add(at + HEADER_AT), HEADER_LEN)
+            };
+            let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
+                rank: bd.rank,
+                peer: r,
+                call: String::new(),
+                msg,
+            })?;
+            expect.check_received(&got, bd.rank, r)?;
+            return Err(Error::Protocol {
+                rank: bd.rank,
+                peer: r,
+                call: String::new(),
+                msg: "the board header and its digest disagree".into(),
+            });
+        }
+        // SAFETY: as above; the digests say that the owner posted `len`
+        // bytes, at most the slot size.
+        Ok(unsafe {
+            std::slice::from_raw_parts(bd.seg.base().add(at + payload_at(len)), len.min(bd.slot))
+        })
     }
 
     /// Waits until `ready()`, which rank `p` makes true: polls for the spin
@@ -382,6 +469,7 @@ impl Round<'_> {
         }
         let bd = self.board;
         let started = Instant::now();
+        let deadline = self.deadline.at(started);
         let window = bd.window.get();
         let mut asleep: Option<Instant> = None;
         let mut polls = 0u32;
@@ -437,13 +525,13 @@ impl Round<'_> {
             if let Some(cause) = gone {
                 return Err(lost(p, cause.to_string()));
             }
-            if now >= self.deadline {
+            if now >= deadline {
                 return Err(Error::Timeout {
                     context: format!("rank {}", bd.rank),
                     what: format!(
                         "rank {p} on the shared-memory board (it did not make this call, or is stuck)"
                     ),
-                    after: self.timeout,
+                    after: self.deadline.timeout,
                 });
             }
             asleep.get_or_insert(now);
@@ -452,7 +540,7 @@ impl Round<'_> {
             sleepers.fetch_add(1, Ordering::SeqCst);
             let seen = wake.load(Ordering::SeqCst);
             if !ready() && bd.word32(p, LEFT).load(Ordering::Acquire) == 0 {
-                let nap = SLICE.min(self.deadline.saturating_duration_since(now));
+                let nap = SLICE.min(deadline.saturating_duration_since(now));
                 futex(wake, libc::FUTEX_WAIT, seen, Some(nap));
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -615,6 +703,46 @@ mod tests {
         (zero, other.join().expect("rank 1"))
     }
 
+    /// A change in any field of a header changes its digest.
+    #[test]
+    fn every_header_field_is_in_the_digest() {
+        let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, 2);
+        let base = FrameHeader::data(9, 5, 0, 8, fp);
+        let variants = [
+            FrameHeader { comm: 10, ..base },
+            FrameHeader { seq: 6, ..base },
+            FrameHeader { step: 1, ..base },
+            FrameHeader { len: 12, ..base },
+            FrameHeader::data(
+                9,
+                5,
+                0,
+                8,
+                Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, 3),
+            ),
+            FrameHeader::data(
+                9,
+                5,
+                0,
+                8,
+                Fingerprint::new(CollectiveKind::AllReduce, DataType::I32, 2),
+            ),
+            FrameHeader::data(
+                9,
+                5,
+                0,
+                8,
+                Fingerprint::new(CollectiveKind::Reduce, DataType::F32, 2),
+            ),
+            FrameHeader::data(9, 5, 0, 8, fp.with_root(1)),
+        ];
+        let d = digest(&base.encode());
+        assert_eq!(d, digest(&base.encode()));
+        for v in variants {
+            assert_ne!(digest(&v.encode()), d, "{v:?}");
+        }
+    }
+
     /// The peer publishes and leaves between a poll and the look at whether
     /// it is gone: the wait succeeds, as the data is there.
     #[test]
@@ -632,7 +760,8 @@ mod tests {
             0,
             Fingerprint::new(CollectiveKind::Barrier, DataType::U8, 0),
         );
-        let round = zero.begin(header, SLICE * 20).expect("begin");
+        let deadline = Deadline::after(SLICE * 20);
+        let round = zero.begin(header, &deadline).expect("begin");
         // wait_for polls once, then POLLS_PER_CLOCK times before it looks at
         // the peer: the last of those polls fails, and the peer leaves.
         let polls = Cell::new(0u32);

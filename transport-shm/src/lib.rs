@@ -32,7 +32,7 @@ use std::{
 use ccl_core::{Error, Link, Result, Spin, Store};
 use nix::{sys::uio::RemoteIoVec, unistd::Pid};
 
-pub use board::{board_slot_bytes, connect_board, Board, Round};
+pub use board::{board_slot_bytes, connect_board, Board, Deadline, Round};
 pub use link::REF_MIN;
 
 use doorbell::{Bell, Doorbell};

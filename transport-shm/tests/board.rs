@@ -9,7 +9,7 @@ use std::{
 };
 
 use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Spin, Store};
-use ccl_transport_shm::{connect_board, Board, SHM_DIR};
+use ccl_transport_shm::{connect_board, Board, Deadline, SHM_DIR};
 
 const SPIN: Spin = Spin {
     window: Duration::from_micros(20),
@@ -20,6 +20,11 @@ const SPIN: Spin = Spin {
 fn header(seq: u64, count: usize) -> FrameHeader {
     let fp = Fingerprint::new(CollectiveKind::AllGather, DataType::U8, count);
     FrameHeader::data(7, seq, 0, 0, fp)
+}
+
+/// A deadline for one board call (leaked: the tests make a few hundred).
+fn within(timeout: Duration) -> &'static Deadline {
+    Box::leak(Box::new(Deadline::after(timeout)))
 }
 
 /// Runs `f(rank, board)` on `n` threads sharing one board.
@@ -66,7 +71,7 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
             for round in 0..200u64 {
                 let mine = vec![(rank as u8) ^ round as u8; len];
                 let r = board
-                    .begin(header(round, len), Duration::from_secs(10))
+                    .begin(header(round, len), within(Duration::from_secs(10)))
                     .unwrap();
                 r.post(&mine).unwrap();
                 // Phase 1: every rank's block `rank` of every payload.
@@ -103,7 +108,7 @@ fn every_rank_reads_every_post_over_many_rounds() {
                     .map(|i| (rank * 31 + i) as u8 ^ round as u8)
                     .collect();
                 let r = board
-                    .begin(header(round, len), Duration::from_secs(10))
+                    .begin(header(round, len), within(Duration::from_secs(10)))
                     .unwrap();
                 r.post(&mine).unwrap();
                 for p in 0..n {
@@ -121,7 +126,7 @@ fn every_rank_reads_every_post_over_many_rounds() {
 fn different_calls_are_a_mismatch_on_both_sides() {
     let errors = ranks(2, |rank, board| {
         let r = board
-            .begin(header(1, 4 + rank), Duration::from_secs(10))
+            .begin(header(1, 4 + rank), within(Duration::from_secs(10)))
             .unwrap();
         r.post(&vec![0u8; 4 + rank]).unwrap();
         r.read(1 - rank, 4 + rank).unwrap_err()
@@ -145,7 +150,9 @@ fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duratio
             return None;
         }
         let started = Instant::now();
-        let r = board.begin(header(1, 0), Duration::from_secs(10)).unwrap();
+        let r = board
+            .begin(header(1, 0), within(Duration::from_secs(10)))
+            .unwrap();
         r.post(&[]).unwrap();
         let e = r.read(0, 0).unwrap_err();
         Some((e, started.elapsed()))
@@ -185,7 +192,7 @@ fn a_silent_peer_is_a_timeout() {
         }
         let started = Instant::now();
         let r = board
-            .begin(header(1, 0), Duration::from_millis(300))
+            .begin(header(1, 0), within(Duration::from_millis(300)))
             .unwrap();
         r.post(&[]).unwrap();
         Some((r.read(0, 0).unwrap_err(), started.elapsed()))
