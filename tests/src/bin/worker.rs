@@ -452,6 +452,22 @@ fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, counts: &[usiz
         );
         let w8 = comm.ireduce(sum_in.clone(), ReduceOp::Max, 0);
         let w9 = comm.ibarrier();
+        // A blocking call made while those are queued runs after them.
+        let mut behind = sum_in.clone();
+        if ck
+            .ok(
+                "allreduce behind queued calls",
+                comm.allreduce(&mut behind, ReduceOp::Sum),
+            )
+            .is_some()
+        {
+            ck.vec(
+                &format!("allreduce behind queued calls {tag}"),
+                &behind,
+                |i| expected::<T>(ReduceOp::Sum, n, i),
+                c,
+            );
+        }
         if let Some(x) = ck.ok("iallreduce", w1.wait()) {
             ck.vec(
                 &format!("iallreduce {tag}"),
