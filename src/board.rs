@@ -52,8 +52,36 @@ impl BoardCall {
         io: &IoBuffers<'_>,
         timeout: Duration,
     ) -> Result<()> {
-        self.chunks(board, call, io, timeout)
+        let ((input, input_len), (output, output_len)) = io.raw_parts();
+        // The input view is only ever read.
+        let input = [(input.cast_mut(), input_len)];
+        let output = [(output, output_len)];
+        self.chunks(board, call, Pieces(&input), Pieces(&output), timeout)
             .map_err(|e| e.in_call(&call.name()))
+    }
+
+    /// Runs an in-place board-direct allreduce on `buffers` taken end to end
+    /// as one buffer (the tensors of a bucket), within `timeout`.
+    ///
+    /// # Safety
+    /// Every `(address, bytes)` must be valid for reads and writes, and not
+    /// otherwise accessed, until this returns; they must not overlap.
+    pub(crate) unsafe fn run_in_place_on(
+        &self,
+        board: &Board,
+        call: &Call,
+        buffers: &[(*mut u8, usize)],
+        timeout: Duration,
+    ) -> Result<()> {
+        let result = if self.kind == CollectiveKind::AllReduce && self.direct {
+            self.chunks(board, call, Pieces(buffers), Pieces(buffers), timeout)
+        } else {
+            Err(Error::Internal(format!(
+                "{} on several buffers must be a board-direct allreduce",
+                call.name()
+            )))
+        };
+        result.map_err(|e| e.in_call(&call.name()))
     }
 
     /// Blocks per rank and bytes per block (see the module docs).
@@ -99,7 +127,8 @@ impl BoardCall {
         &self,
         board: &Board,
         call: &Call,
-        io: &IoBuffers<'_>,
+        inputs: Pieces<'_>,
+        outputs: Pieces<'_>,
         timeout: Duration,
     ) -> Result<()> {
         let (n, me) = (call.world_size, call.rank);
@@ -116,16 +145,27 @@ impl BoardCall {
             )));
         }
         let (blocks, part) = self.layout(n);
-        let (input, output) = io.raw_parts();
         let (need_in, need_out) = self.needs(me, n);
-        if input.1 < need_in || output.1 < need_out {
+        if inputs.len() < need_in || outputs.len() < need_out {
             return Err(Error::Internal(format!(
                 "{}: buffers of {} and {} bytes, the board call needs {need_in} and {need_out}",
                 call.name(),
-                input.1,
-                output.1
+                inputs.len(),
+                outputs.len()
             )));
         }
+        // Only board-direct works on several buffers; the rest want one.
+        let (input, output) = match (inputs.one(), outputs.one()) {
+            (Some(i), Some(o)) => (i, o),
+            _ if direct => (inputs.first(), outputs.first()),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "{} cannot run on several buffers",
+                    call.name()
+                )))
+            }
+        };
+        let in_place = std::ptr::eq(input.0, output.0);
         // SAFETY (for every slice below): the engine hands this call its
         // buffers alone. Each chunk of the input is read in full (posted)
         // before the same chunk of the output, which may be the same memory
@@ -152,7 +192,14 @@ impl BoardCall {
                 // The others reduce every share but this rank's own, which
                 // it reduces straight from its input.
                 let (lo, hi) = share(me);
-                round.post_at(len, &[(0, inp(off, lo)), (hi, inp(off + hi, len - hi))])?;
+                let mut parts = Vec::new();
+                for (at, from) in [(0, lo), (hi, len - hi)] {
+                    // SAFETY: see above.
+                    unsafe {
+                        inputs.each(off + at, from, |rel, bytes| parts.push((at + rel, &*bytes)))
+                    };
+                }
+                round.post_at(len, &parts)?;
             } else if self.posts(me) {
                 let parts: Vec<(usize, &[u8])> = (0..blocks)
                     .map(|b| (b * len, inp(b * part + off, len)))
@@ -169,24 +216,41 @@ impl BoardCall {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
                     let (lo, hi) = share(me);
                     let wants = self.kind == CollectiveKind::AllReduce || is_root;
-                    // In place, this rank's share of the output already holds its input.
-                    let in_place = wants && std::ptr::eq(input.0, output.0);
-                    let own = (!in_place).then(|| inp(off + lo, hi - lo));
-                    let mine = if wants {
-                        out(off + lo, hi - lo)
+                    let mut mine: Vec<(usize, &mut [u8])> = Vec::new();
+                    if wants {
+                        // SAFETY: see above.
+                        unsafe {
+                            outputs
+                                .each(off + lo, hi - lo, |rel, bytes| mine.push((lo + rel, bytes)))
+                        };
                     } else {
                         scratch.resize(hi - lo, 0);
-                        &mut scratch[..]
-                    };
-                    self.reduce_share(&round, me, n, len, mine, own, lo..hi)?;
-                    round.post_reduced(lo, mine)?;
+                        mine.push((lo, &mut scratch[..]));
+                    }
+                    for (at, out) in &mut mine {
+                        // In place, this rank's share of the output already
+                        // holds its input; else the input lies in one buffer.
+                        let own = (!(wants && in_place)).then(|| inp(off + *at, out.len()));
+                        self.reduce_share(&round, me, n, len, out, own, *at..*at + out.len())?;
+                    }
+                    let results: Vec<(usize, &[u8])> =
+                        mine.iter().map(|(at, out)| (*at, &**out)).collect();
+                    round.post_reduced(&results)?;
                     if wants {
                         for p in (0..n).filter(|&p| p != me) {
                             let (plo, phi) = share(p);
-                            copy(
-                                out(off + plo, phi - plo),
-                                round.read_reduced(p, plo, phi - plo)?,
-                            );
+                            let mut result = Ok(());
+                            // SAFETY: see above.
+                            unsafe {
+                                outputs.each(off + plo, phi - plo, |rel, bytes| {
+                                    if result.is_ok() {
+                                        result = round
+                                            .read_reduced(p, plo + rel, bytes.len())
+                                            .map(|theirs| copy(bytes, theirs));
+                                    }
+                                })
+                            };
+                            result?;
                         }
                     }
                 }
@@ -312,6 +376,49 @@ pub(crate) fn announce(board: &Board, call: &Call, timeout: Duration) -> Result<
         Ok(())
     };
     check().map_err(|e: Error| e.in_call(&call.name()))
+}
+
+/// The memory of a board call: buffers taken end to end as one (a single
+/// buffer, or the tensors of a bucket).
+#[derive(Clone, Copy)]
+struct Pieces<'a>(&'a [(*mut u8, usize)]);
+
+impl Pieces<'_> {
+    fn len(&self) -> usize {
+        self.0.iter().map(|&(_, len)| len).sum()
+    }
+
+    /// The one buffer, if there is only one.
+    fn one(&self) -> Option<(*mut u8, usize)> {
+        match self.0 {
+            [one] => Some(*one),
+            _ => None,
+        }
+    }
+
+    /// The first buffer (an empty one if there is none).
+    fn first(&self) -> (*mut u8, usize) {
+        self.0.first().copied().unwrap_or((std::ptr::null_mut(), 0))
+    }
+
+    /// Calls `f(offset from at, bytes)` on each piece of bytes `at..at + len`.
+    ///
+    /// # Safety
+    /// The buffers must be valid, and the bytes not otherwise accessed, for `'b`.
+    unsafe fn each<'b>(&self, at: usize, len: usize, mut f: impl FnMut(usize, &'b mut [u8])) {
+        let end = at + len;
+        let mut start = 0;
+        for &(ptr, plen) in self.0 {
+            let (lo, hi) = (start.max(at), (start + plen).min(end));
+            if lo < hi {
+                f(lo - at, slice_mut(ptr.add(lo - start), hi - lo));
+            }
+            start += plen;
+            if start >= end {
+                break;
+            }
+        }
+    }
 }
 
 /// Copies unless source and destination are the same memory (in place).

@@ -25,6 +25,8 @@ impl fmt::Display for TensorId {
 }
 
 type Boxed = Box<dyn Any + Send>;
+/// A launched allreduce, or why it could not start.
+type Launched = Result<Box<dyn Pending>>;
 
 /// The operations on type-erased `Vec<T>`s a bucket needs, for one `T`.
 struct Ops {
@@ -35,7 +37,12 @@ struct Ops {
     /// `tensor = bucket[offset..offset + len]`.
     unpack: fn(&Boxed, &mut Boxed, usize) -> Result<()>,
     /// Launches the allreduce of a `Vec<T>`.
-    launch: fn(&Communicator, Boxed, ReduceOp) -> Result<Box<dyn Pending>>,
+    launch: fn(&Communicator, Boxed, ReduceOp) -> Launched,
+    /// Launches the allreduce of several `Vec<T>`s where they lie
+    /// ([`Communicator::iallreduce_on`]); the result is a `Vec<Vec<T>>`.
+    launch_on: fn(&Communicator, Vec<Boxed>, ReduceOp) -> Launched,
+    /// A `Vec<Vec<T>>` as its `Vec<T>`s.
+    split: fn(Boxed) -> Result<Vec<Boxed>>,
 }
 
 /// A launched allreduce whose result is a type-erased `Vec<T>`.
@@ -46,6 +53,15 @@ trait Pending: Send {
 impl<T: Element> Pending for Work<Vec<T>> {
     fn wait(self: Box<Self>) -> Result<Boxed> {
         (*self).wait().map(|v| Box::new(v) as Boxed)
+    }
+}
+
+/// An allreduce of several `Vec<T>`s, whose result is a `Vec<Vec<T>>`.
+struct InPlace<T>(Work<Vec<Vec<T>>>);
+
+impl<T: Element> Pending for InPlace<T> {
+    fn wait(self: Box<Self>) -> Result<Boxed> {
+        self.0.wait().map(|v| Box::new(v) as Boxed)
     }
 }
 
@@ -111,6 +127,29 @@ impl Ops {
             })?;
             Ok(Box::new(comm.iallreduce(*v, op)))
         }
+        fn launch_on<T: Element>(
+            comm: &Communicator,
+            bufs: Vec<Boxed>,
+            op: ReduceOp,
+        ) -> Result<Box<dyn Pending>> {
+            let vecs = bufs
+                .into_iter()
+                .map(|b| b.downcast::<Vec<T>>().map(|v| *v))
+                .collect::<std::result::Result<Vec<Vec<T>>, _>>()
+                .map_err(|_| {
+                    Error::Internal(format!("bucketer: a tensor is not a Vec<{}>", T::DTYPE))
+                })?;
+            Ok(Box::new(InPlace(comm.iallreduce_on(vecs, op))))
+        }
+        fn split<T: Element>(all: Boxed) -> Result<Vec<Boxed>> {
+            let vecs = all.downcast::<Vec<Vec<T>>>().map_err(|_| {
+                Error::Internal(format!(
+                    "bucketer: a result is not a Vec<Vec<{}>>",
+                    T::DTYPE
+                ))
+            })?;
+            Ok(vecs.into_iter().map(|v| Box::new(v) as Boxed).collect())
+        }
         macro_rules! table {
             ($($t:ty),*) => {{
                 $(if T::DTYPE == <$t as Element>::DTYPE {
@@ -119,6 +158,8 @@ impl Ops {
                         pack: pack::<$t>,
                         unpack: unpack::<$t>,
                         launch: launch::<$t>,
+                        launch_on: launch_on::<$t>,
+                        split: split::<$t>,
                     };
                     return &OPS;
                 })*
@@ -177,13 +218,16 @@ impl Bucket {
 /// What the completion thread is told.
 enum Msg {
     /// Bucket `bucket` was launched; `tensors` are (id, buffer, offset) to
-    /// fill from its result; a direct bucket's result is tensor `direct`.
+    /// fill from its result; a direct bucket's result is tensor `direct`;
+    /// a bucket reduced where its tensors lie gives back tensors `in_place`,
+    /// in that order.
     Launched {
         bucket: usize,
         pending: Result<Box<dyn Pending>>,
         ops: &'static Ops,
         tensors: Vec<(usize, Boxed, usize)>,
         direct: Option<usize>,
+        in_place: Vec<usize>,
     },
     /// Every bucket of the step was launched: complete the step's `Work`.
     Finish(Completer<Reduced>),
@@ -206,9 +250,13 @@ enum Msg {
 ///    reverse of the forward order). [`Bucketer::register`] returns a
 ///    [`TensorId`]. Every rank must register the same tensors in the same order.
 /// 2. Each step, hand every gradient over as an owned `Vec` with
-///    [`Bucketer::ready`], in any order (ranks may differ in the order). The
-///    bucketer copies it into its bucket at once, and when a bucket is full it
-///    launches the bucket's allreduce on the communicator.
+///    [`Bucketer::ready`], in any order (ranks may differ in the order). When
+///    a bucket is complete the bucketer launches its allreduce on the
+///    communicator: when every rank runs on this host and the shared-memory
+///    board carries allreduces of the bucket's size, on the `Vec`s where they
+///    lie ([`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect) reads and
+///    writes each in place); otherwise it copies them into the bucket's
+///    buffer first and back into the `Vec`s after.
 /// 3. [`Bucketer::finish`] returns one [`Work`] for the whole set. It yields
 ///    [`Reduced`], from which [`Reduced::take`] gives back each original `Vec`
 ///    (same allocation) holding the reduced values.
@@ -549,8 +597,8 @@ impl<'c> Bucketer<'c> {
         self.in_step = true;
         let (b, off) = (self.tensors[id.0].bucket, self.tensors[id.0].offset);
         let grad: Boxed = Box::new(grad);
-        if self.no_sync || !self.buckets[b].direct() {
-            // A single tensor's bucket needs its buffer only to accumulate.
+        if self.no_sync {
+            // Synchronised steps pack (if they must) when the bucket launches.
             let ops = self.buckets[b].ops;
             let add = self.buckets[b].accumulated;
             let buf = self.storage(b, false)?;
@@ -624,8 +672,11 @@ impl<'c> Bucketer<'c> {
     }
 
     /// Tensor `id`'s place in its bucket, to read: after a synchronised
-    /// step's `Work` completed, the reduced values of every tensor of the
-    /// step, whether handed over by [`Bucketer::ready`] or [`Bucketer::mark_ready`].
+    /// step's `Work` completed, the reduced values of a tensor marked ready
+    /// in place ([`Bucketer::mark_ready`]). A tensor handed over as a `Vec`
+    /// ([`Bucketer::ready`]) comes back through [`Reduced`]; its place may
+    /// hold older values, as a bucket whose tensors were all handed over is
+    /// reduced where the `Vec`s lie when every rank runs on this host.
     pub fn view<T: Element>(&mut self, id: TensorId) -> Result<&[T]> {
         let (b, off, len) = self.view_check::<T>(id)?;
         let v = typed::<T>(self.storage(b, true)?)?;
@@ -685,8 +736,10 @@ impl<'c> Bucketer<'c> {
         let comm = self.comm;
         let bucket = &mut self.buckets[b];
         let ops = bucket.ops;
-        let held = std::mem::take(&mut bucket.held);
+        let mut held = std::mem::take(&mut bucket.held);
         let accumulated = std::mem::replace(&mut bucket.accumulated, false);
+        let dtype = bucket.tensors.first().map(|&t| self.tensors[t].dtype);
+        let mut in_place = Vec::new();
         let (pending, tensors, direct) =
             if bucket.direct() && !held.is_empty() {
                 let (id, mut grad) = held.into_iter().next().ok_or_else(|| {
@@ -697,7 +750,26 @@ impl<'c> Bucketer<'c> {
                     (ops.pack)(&mut grad, acc, 0, true)?;
                 }
                 ((ops.launch)(comm, grad, op), Vec::new(), Some(id))
+            } else if !accumulated
+                && held.len() == bucket.tensors.len()
+                && dtype.is_some_and(|d| comm.allreduces_on_board(bucket.len, d))
+            {
+                // Every tensor was handed over: reduce them where they lie, in
+                // the bucket's order (the same on every rank), without packing.
+                held.sort_by_key(|(id, _)| self.tensors[*id].offset);
+                let (ids, grads): (Vec<usize>, Vec<Boxed>) = held.into_iter().unzip();
+                in_place = ids;
+                ((ops.launch_on)(comm, grads, op), Vec::new(), None)
             } else {
+                let offsets: Vec<usize> = held
+                    .iter()
+                    .map(|(id, _)| self.tensors[*id].offset)
+                    .collect();
+                let buf = self.storage(b, false)?;
+                for ((_, grad), off) in held.iter().zip(offsets) {
+                    (ops.pack)(buf, grad, off, accumulated)?;
+                }
+                let bucket = &mut self.buckets[b];
                 let buf = bucket.buf.take().ok_or_else(|| {
                     Error::Internal("bucketer: a full bucket has no buffer".into())
                 })?;
@@ -715,6 +787,7 @@ impl<'c> Bucketer<'c> {
                 ops,
                 tensors,
                 direct,
+                in_place,
             })
             .map_err(|_| Error::Internal("bucketer: its completion thread is gone".into()))
     }
@@ -783,10 +856,21 @@ fn complete_steps(rx: mpsc::Receiver<Msg>, pool: Arc<Mutex<Vec<Option<Boxed>>>>,
                 ops,
                 tensors,
                 direct,
+                in_place,
             } => {
                 let result = pending.and_then(|p| p.wait());
                 match (result, direct) {
                     (Ok(buf), Some(id)) => slots[id] = Some(buf),
+                    (Ok(all), None) if !in_place.is_empty() => match (ops.split)(all) {
+                        Ok(grads) => {
+                            for (id, g) in in_place.into_iter().zip(grads) {
+                                slots[id] = Some(g);
+                            }
+                        }
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    },
                     (Ok(buf), None) => {
                         for (id, mut g, off) in tensors {
                             if let Err(e) = (ops.unpack)(&buf, &mut g, off) {

@@ -22,7 +22,7 @@ use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
 
 use crate::{
     board::BoardCall,
-    engine::{Engine, Job, Plan},
+    engine::{Buffers, Engine, Job, Plan},
 };
 
 /// Largest piece one send or receive moves; larger buffers are pipelined in pieces.
@@ -796,6 +796,19 @@ impl Communicator {
                 Err(e) => return done(Err(e)),
             },
         };
+        self.enqueue(req, choice, plan, io, done, inline);
+    }
+
+    /// Takes the call's sequence number and hands the job to the engine.
+    fn enqueue(
+        &self,
+        req: Request,
+        choice: Choice,
+        plan: Plan,
+        io: IoBuffers<'static>,
+        done: Box<dyn FnOnce(Result<()>) + Send>,
+        inline: bool,
+    ) {
         // Sequence numbers must follow execution order: keep the lock while
         // the job is queued (or, inline, runs).
         let _order = self.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -1346,6 +1359,68 @@ impl Communicator {
             Ok(scaled) => self.launch(req, scaled, buf, |_, out| out),
             Err(e) => Work::ready(Err(e)),
         }
+    }
+
+    /// Whether an allreduce of `count` elements of `dtype` runs on the board
+    /// here, so that [`Communicator::iallreduce_on`] can take several buffers.
+    pub(crate) fn allreduces_on_board(&self, count: usize, dtype: DataType) -> bool {
+        let choice = self.choice_for(CollectiveKind::AllReduce, count, dtype);
+        self.engine().has_board()
+            && matches!(choice.algorithm, Algorithm::Board | Algorithm::BoardDirect)
+    }
+
+    /// Asynchronous in-place allreduce of `bufs` taken end to end as one
+    /// buffer, with neither packing nor unpacking: board-direct reads and
+    /// writes each buffer where it lies. For communicators where
+    /// [`Communicator::allreduces_on_board`] holds; elsewhere it fails.
+    pub(crate) fn iallreduce_on<T: Element>(
+        &self,
+        mut bufs: Vec<Vec<T>>,
+        op: ReduceOp,
+    ) -> Work<Vec<Vec<T>>> {
+        let count = bufs.iter().map(Vec::len).sum();
+        if let Err(e) = self.check_op(op, T::DTYPE, "allreduce") {
+            return Work::ready(Err(e));
+        }
+        if !self.engine().has_board() {
+            return Work::ready(Err(Error::Internal(
+                "an allreduce on several buffers needs the shared-memory board".into(),
+            )));
+        }
+        if matches!(op, ReduceOp::PreMulSum(_)) {
+            // The buffers are the call's own: scale them where they lie.
+            for b in &mut bufs {
+                if let Err(e) = op::prescale(op, T::DTYPE, bytemuck::cast_slice_mut(b)) {
+                    return Work::ready(Err(e));
+                }
+            }
+        }
+        let req = Self::req::<T>(CollectiveKind::AllReduce, count, op, 0);
+        let board_call = BoardCall {
+            kind: req.kind,
+            dtype: req.dtype,
+            count,
+            op,
+            root: 0,
+            direct: true,
+        };
+        let buffers = Buffers(
+            bufs.iter_mut()
+                .map(|b| {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(b);
+                    (bytes.as_mut_ptr(), bytes.len())
+                })
+                .collect(),
+        );
+        let (work, completer) = work_pair();
+        // The vectors' heap memory does not move when the vectors move into
+        // the completion, which keeps them alive until the engine is done.
+        let done = Box::new(move |r: Result<()>| completer.complete(r.map(|()| bufs)));
+        // SAFETY: an empty region; the job's memory is `buffers`.
+        let io = unsafe { IoBuffers::from_raw(std::ptr::null(), 0, std::ptr::null_mut(), 0) };
+        let plan = Plan::BoardOn(board_call, buffers);
+        self.enqueue(req, Algorithm::BoardDirect.into(), plan, io, done, false);
+        work
     }
 
     /// Asynchronous [`Communicator::broadcast`] on an owned buffer.

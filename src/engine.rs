@@ -129,7 +129,17 @@ pub(crate) enum Plan {
     Schedule(Arc<Schedule>),
     /// A small collective on the shared-memory board, run by the driving thread.
     Board(BoardCall),
+    /// A board-direct allreduce in place on several buffers taken end to
+    /// end (the job's `io` is unused).
+    BoardOn(BoardCall, Buffers),
 }
+
+/// Buffers of a [`Plan::BoardOn`] job: `(address, bytes)`.
+pub(crate) struct Buffers(pub Vec<(*mut u8, usize)>);
+
+// SAFETY: like `IoBuffers`, memory handed to one execution at a time, kept
+// alive and untouched by its owner (the job's completion) until it is done.
+unsafe impl Send for Buffers {}
 
 /// One call, ready to run.
 pub(crate) struct Job {
@@ -214,8 +224,8 @@ impl Shared {
         }
         let schedule = match &job.plan {
             Plan::Schedule(s) => s,
-            Plan::Board(b) => {
-                let result = self.run_board(b, &job);
+            Plan::Board(_) | Plan::BoardOn(..) => {
+                let result = self.run_board(&job);
                 return self.finish(job.done, result).await;
             }
         };
@@ -309,11 +319,23 @@ impl Shared {
         }
     }
 
-    fn run_board(&self, call: &BoardCall, job: &Job) -> Result<()> {
-        match &self.board {
-            Some(board) => call.run(board, &job.call, &job.io, job.deadline),
-            None => Err(Error::Internal(format!(
+    fn run_board(&self, job: &Job) -> Result<()> {
+        let Some(board) = &self.board else {
+            return Err(Error::Internal(format!(
                 "rank {}: {} planned on a board this communicator lacks",
+                self.rank,
+                job.call.name()
+            )));
+        };
+        match &job.plan {
+            Plan::Board(call) => call.run(board, &job.call, &job.io, job.deadline),
+            // SAFETY: the buffers stay alive and untouched until the job's
+            // completion runs, after this returns (see `Buffers`).
+            Plan::BoardOn(call, buffers) => unsafe {
+                call.run_in_place_on(board, &job.call, &buffers.0, job.deadline)
+            },
+            Plan::Schedule(_) => Err(Error::Internal(format!(
+                "rank {}: {} is a schedule, not a board call",
                 self.rank,
                 job.call.name()
             ))),

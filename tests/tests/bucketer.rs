@@ -6,7 +6,10 @@
 
 use std::{sync::Arc, thread, time::Duration};
 
-use ccl::{Bucketer, Communicator, HashStore, Options, ReduceOp, Store, TensorId};
+use ccl::{
+    Algorithm, Bucketer, CollectiveKind, Communicator, DataType, HashStore, Options, ReduceOp,
+    Store, TensorId,
+};
 use ccl_tests::{assert_all_ok, invalid, launch};
 
 #[path = "../src/bucketer_scenario.rs"]
@@ -314,4 +317,45 @@ fn a_rank_that_never_comes_fails_the_set_within_the_deadline() {
     let (r, took) = results[0].clone().expect("rank 0 reports");
     assert!(r.is_err(), "the set must fail without its peer");
     assert!(took < Duration::from_secs(10), "failed only after {took:?}");
+}
+
+/// Owned tensors reduced where they lie (one host, so on the board), with a
+/// pre-multiplied sum whose scalar differs per rank, across chunk and share
+/// boundaries: a 1.2 MiB bucket of odd-sized tensors over 3 ranks.
+#[test]
+fn owned_tensors_reduced_in_place_with_a_premultiplied_sum() {
+    with_ranks(3, |comm| {
+        let r = comm.rank();
+        let mut b = Bucketer::new(&comm, ReduceOp::PreMulSum(r as f64 + 1.0));
+        let lens = [1usize, 40_001, 77, 65_536, 3, 48_000];
+        let ids: Vec<TensorId> = lens
+            .iter()
+            .map(|&l| b.register::<f64>(l).unwrap())
+            .collect();
+        assert_eq!(b.buckets().len(), 1);
+        let total = lens.iter().sum();
+        assert_eq!(
+            comm.algorithm_for(CollectiveKind::AllReduce, total, DataType::F64),
+            Algorithm::BoardDirect,
+            "the bucket must run on the board for this test to reach the in-place path"
+        );
+        let val = |q: usize, t: usize, i: usize| ((q * 7 + t * 3 + i) % 1000) as f64;
+        for step in 0..2 {
+            let mut order: Vec<usize> = (0..lens.len()).collect();
+            scenario::Rng::new(5 + r as u64 + step).shuffle(&mut order);
+            for &t in &order {
+                b.ready(ids[t], (0..lens[t]).map(|i| val(r, t, i)).collect())
+                    .unwrap();
+            }
+            let mut out = b.finish().wait().unwrap();
+            for (t, &len) in lens.iter().enumerate() {
+                let got: Vec<f64> = out.take(ids[t]).unwrap();
+                assert_eq!(got.len(), len);
+                for (i, g) in got.iter().enumerate() {
+                    let want: f64 = (0..3).map(|q| (q as f64 + 1.0) * val(q, t, i)).sum();
+                    assert_eq!(*g, want, "rank {r} step {step} tensor {t} element {i}");
+                }
+            }
+        }
+    });
 }

@@ -366,25 +366,27 @@ impl Round<'_> {
         Ok(())
     }
 
-    /// The second phase of a call: copies `data` to `offset` of this rank's
-    /// payload area (where payloads of more than [`INLINE`] bytes are
-    /// posted) and publishes it as this rank's reduced part. The range must
-    /// be one that no peer reads in the first phase.
-    pub fn post_reduced(&self, offset: usize, data: &[u8]) -> Result<()> {
+    /// The second phase of a call: copies `parts`, each to its offset of this
+    /// rank's payload area (where payloads of more than [`INLINE`] bytes are
+    /// posted), and publishes them as this rank's reduced part. The ranges
+    /// must be ones that no peer reads in the first phase.
+    pub fn post_reduced(&self, parts: &[(usize, &[u8])]) -> Result<()> {
         let bd = self.board;
-        if offset + data.len() > bd.slot {
+        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
+        if end > bd.slot {
             return Err(Error::Internal(format!(
-                "bytes {offset}..{} do not fit a {}-byte board slot",
-                offset + data.len(),
+                "reduced parts up to byte {end} do not fit a {}-byte board slot",
                 bd.slot
             )));
         }
         let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
-        // SAFETY: this rank's own slot; the caller writes a range that peers
+        // SAFETY: this rank's own slot; the caller writes ranges that peers
         // do not read until the reduced number below is published.
         unsafe {
-            let base = bd.seg.base().add(at + SLOT_HEAD + offset);
-            std::ptr::copy_nonoverlapping(data.as_ptr(), base, data.len());
+            for (offset, part) in parts {
+                let to = bd.seg.base().add(at + SLOT_HEAD + offset);
+                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+            }
         }
         bd.seg.word(at + LINE).store(self.b, Ordering::Release);
         bd.wake_sleepers();
