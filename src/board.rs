@@ -196,7 +196,9 @@ impl BoardCall {
                 for (at, from) in [(0, lo), (hi, len - hi)] {
                     // SAFETY: see above.
                     unsafe {
-                        inputs.each(off + at, from, |rel, bytes| parts.push((at + rel, &*bytes)))
+                        inputs.each(off + at, from, |rel, p, l| {
+                            parts.push((at + rel, slice(p, l)))
+                        })
                     };
                 }
                 round.post_at(len, &parts)?;
@@ -220,8 +222,9 @@ impl BoardCall {
                     if wants {
                         // SAFETY: see above.
                         unsafe {
-                            outputs
-                                .each(off + lo, hi - lo, |rel, bytes| mine.push((lo + rel, bytes)))
+                            outputs.each(off + lo, hi - lo, |rel, p, l| {
+                                mine.push((lo + rel, slice_mut(p, l)))
+                            })
                         };
                     } else {
                         scratch.resize(hi - lo, 0);
@@ -242,11 +245,11 @@ impl BoardCall {
                             let mut result = Ok(());
                             // SAFETY: see above.
                             unsafe {
-                                outputs.each(off + plo, phi - plo, |rel, bytes| {
+                                outputs.each(off + plo, phi - plo, |rel, to, l| {
                                     if result.is_ok() {
                                         result = round
-                                            .read_reduced(p, plo + rel, bytes.len())
-                                            .map(|theirs| copy(bytes, theirs));
+                                            .read_reduced(p, plo + rel, l)
+                                            .map(|theirs| copy(slice_mut(to, l), theirs));
                                     }
                                 })
                             };
@@ -401,17 +404,15 @@ impl Pieces<'_> {
         self.0.first().copied().unwrap_or((std::ptr::null_mut(), 0))
     }
 
-    /// Calls `f(offset from at, bytes)` on each piece of bytes `at..at + len`.
-    ///
-    /// # Safety
-    /// The buffers must be valid, and the bytes not otherwise accessed, for `'b`.
-    unsafe fn each<'b>(&self, at: usize, len: usize, mut f: impl FnMut(usize, &'b mut [u8])) {
+    /// Calls `f(offset from at, address, bytes)` on each piece of bytes
+    /// `at..at + len`.
+    fn each(&self, at: usize, len: usize, mut f: impl FnMut(usize, *mut u8, usize)) {
         let end = at + len;
         let mut start = 0;
         for &(ptr, plen) in self.0 {
             let (lo, hi) = (start.max(at), (start + plen).min(end));
             if lo < hi {
-                f(lo - at, slice_mut(ptr.add(lo - start), hi - lo));
+                f(lo - at, ptr.wrapping_add(lo - start), hi - lo);
             }
             start += plen;
             if start >= end {
