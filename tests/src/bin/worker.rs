@@ -903,13 +903,14 @@ fn main() {
             ck.ok("warm-up", comm.barrier());
             // "small": a message the shared-memory board carries, which the
             // victim never joins (its part would be posted at once); else a
-            // large one, which the victim leaves halfway.
+            // large one (128 MiB: about 45 ms at 2 ranks in a release build),
+            // which the victim leaves halfway, 20 ms in.
             let small = args.get(3).map(String::as_str) == Some("small");
             if small && comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(20));
                 exit(7);
             }
-            let len = if small { 2 } else { 16 << 20 };
+            let len = if small { 2 } else { 32 << 20 };
             let w = comm.iallreduce(vec![1.0f32; len], ReduceOp::Sum);
             if comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(20));
