@@ -322,11 +322,12 @@ fn header(args: &TuneArgs) -> String {
         .map(|h| h.to_string_lossy().into_owned())
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let cpu = cpu_model().map_or(String::new(), |m| format!(", {m}"));
     format!(
         "# ccl tuning table: the fastest algorithm per collective, kind of links, world size\n\
          # and buffer size (bytes, the whole buffer as ccl-bench counts it), as measured by\n\
          #   ccl-bench {}\n\
-         # on {host} ({cores} cores), unix time {}, {} timed iterations per point,\n\
+         # on {host} ({cores} cores{cpu}), unix time {}, {} timed iterations per point,\n\
          # median of {} runs of each sweep.\n\
          # A line covers sizes above the previous line's up_to_bytes up to its own.\n",
         cmd.join(" "),
@@ -334,6 +335,14 @@ fn header(args: &TuneArgs) -> String {
         args.iters,
         args.repeats
     )
+}
+
+/// The CPU's model name from /proc/cpuinfo: the table holds for that kind
+/// of machine.
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split_once(':')?.1.trim().to_string())
 }
 
 /// An algorithm may serve a size where it measured within this factor of
