@@ -52,10 +52,13 @@ pub struct Options {
     /// Algorithm overrides, as `CCL_ALGO` spells them: `ring`, or
     /// `allreduce=rd,broadcast=tree`. `None`: chosen by size.
     pub algo: Option<String>,
-    /// How a thread waiting for a peer polls before it sleeps. Polling saves
-    /// the kernel's wake-up on small messages but takes a core; when the
-    /// ranks on this host outnumber the cores it yields between polls.
-    pub spin: Spin,
+    /// How long a thread waiting for a peer polls before it sleeps
+    /// (`CCL_SPIN_US`). Polling saves the kernel's wake-up on small messages
+    /// but takes a CPU. `None`: [`Spin::OWN_CPU_WINDOW`] when this host's
+    /// ranks have a CPU each (counted over the CPUs they may run on, so
+    /// ranks pinned one to a core count as such), [`Spin::SHARED_CPU_WINDOW`]
+    /// when they outnumber them, and then they also yield between polls.
+    pub spin_window: Option<Duration>,
     /// Which transport links use: shared memory between ranks of one host
     /// and TCP between hosts (`Auto`), or one of them for every pair.
     pub transport: TransportChoice,
@@ -80,7 +83,7 @@ impl Default for Options {
             interface: None,
             local_ip: None,
             algo: None,
-            spin: Spin::default(),
+            spin_window: None,
             transport: TransportChoice::Auto,
             shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
             shm_cma: true,
@@ -90,16 +93,6 @@ impl Default for Options {
         }
     }
 }
-
-/// Polling window when every rank of this host has a core of its own
-/// (`CCL_SPIN_US` overrides). A rank that sleeps gives its core up, and on a
-/// virtual machine the hypervisor may not run it again for milliseconds
-/// after the peer's wake-up; polling this long catches a peer delayed by an
-/// interrupt or by the hypervisor before that happens.
-const SPIN_OWN_CORE: Duration = Duration::from_millis(1);
-/// Polling window when this host's ranks outnumber its cores: the others
-/// need the core.
-const SPIN_SHARED_CORE: Duration = Duration::from_micros(50);
 
 /// Parses `CCL_ALGO`: one algorithm for every collective that has it, or
 /// `kind=algorithm` pairs separated by commas.
@@ -145,19 +138,7 @@ impl Options {
             interface: config.socket_ifname.clone(),
             local_ip,
             algo: config.algo.clone(),
-            spin: {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let shared_cores = config.local_world_size > cores;
-                Spin {
-                    window: config.spin.unwrap_or(if shared_cores {
-                        SPIN_SHARED_CORE
-                    } else {
-                        SPIN_OWN_CORE
-                    }),
-                    yield_between: shared_cores,
-                    repoll: false,
-                }
-            },
+            spin_window: config.spin,
             transport: config.transport,
             shm_bytes: config.shm_bytes,
             shm_cma: config.shm_cma,
@@ -172,38 +153,42 @@ impl Options {
 static SHM_FALLBACK_LOGGED: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// Sets up shared-memory links to the peers on this host (as the transport
-/// choice allows): one entry per rank, `None` where TCP is to be used.
+/// The other ranks on this rank's host, and how a waiting thread polls.
 ///
-/// Every rank publishes its host identity; pairs with equal identities try
-/// shared memory, and a pair that cannot use it falls back to TCP (logged
-/// once), or fails the set-up if shared memory was required.
-fn connect_shared_memory(
+/// Every rank publishes its host identity and the CPUs it may run on. Ranks
+/// with equal identities share a host; they outnumber its CPUs when there
+/// are more of them than CPUs in the union of their sets (ranks pinned one
+/// to a CPU each do not, four ranks on two CPUs do).
+fn host_mates(
     rank: usize,
     world_size: usize,
-    comm: u64,
     store: &dyn Store,
     options: &Options,
-    runtime: &tokio::runtime::Runtime,
-) -> Result<Vec<Option<Arc<dyn Link>>>> {
-    let mut links: Vec<Option<Arc<dyn Link>>> = vec![None; world_size];
-    if options.transport == TransportChoice::Tcp {
-        return Ok(links);
-    }
+) -> Result<(Vec<usize>, Spin)> {
     let host = options
         .host_id
         .clone()
         .unwrap_or_else(ccl_transport_shm::host_id);
-    store.set(&format!("host/{rank}"), host.as_bytes())?;
+    let mine = ccl_core::allowed_cpus().unwrap_or_default();
+    let mut cpus: std::collections::BTreeSet<usize> = mine.iter().copied().collect();
+    if world_size > 1 {
+        let list: Vec<String> = mine.iter().map(usize::to_string).collect();
+        store.set(&format!("host/{rank}"), host.as_bytes())?;
+        store.set(&format!("cpus/{rank}"), list.join(",").as_bytes())?;
+    }
     let deadline = Instant::now() + options.timeout;
     let mut local = Vec::new();
     for p in (0..world_size).filter(|&p| p != rank) {
-        let theirs = store.get(
-            &format!("host/{p}"),
-            deadline.saturating_duration_since(Instant::now()),
-        )?;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let theirs = store.get(&format!("host/{p}"), left())?;
         if theirs == host.as_bytes() {
             local.push(p);
+            let list = store.get(&format!("cpus/{p}"), left())?;
+            cpus.extend(
+                String::from_utf8_lossy(&list)
+                    .split(',')
+                    .filter_map(|c| c.parse::<usize>().ok()),
+            );
         } else if options.transport == TransportChoice::Shm {
             return Err(Error::Config(format!(
                 "CCL_TRANSPORT=shm, but rank {p} is on another host than rank {rank} ({} and {host})",
@@ -211,11 +196,45 @@ fn connect_shared_memory(
             )));
         }
     }
+    let (ranks, cpus) = (local.len() + 1, cpus.len().max(1));
+    let spin = Spin::for_host(ranks, cpus, options.spin_window);
+    tracing::info!(
+        rank,
+        "{ranks} ranks on this host, on {cpus} CPUs between them: {}, waits poll for {:?}",
+        if spin.yield_between {
+            "they share CPUs"
+        } else {
+            "a CPU each"
+        },
+        spin.window
+    );
+    Ok((local, spin))
+}
+
+/// Sets up shared-memory links to the peers on this host, `local` (as the
+/// transport choice allows): one entry per rank, `None` where TCP is to be
+/// used. A pair that cannot use shared memory falls back to TCP (logged
+/// once), or fails the set-up if shared memory was required.
+#[allow(clippy::too_many_arguments)]
+fn connect_shared_memory(
+    rank: usize,
+    world_size: usize,
+    comm: u64,
+    store: &dyn Store,
+    options: &Options,
+    local: Vec<usize>,
+    spin: Spin,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<Vec<Option<Arc<dyn Link>>>> {
+    let mut links: Vec<Option<Arc<dyn Link>>> = vec![None; world_size];
+    if options.transport == TransportChoice::Tcp {
+        return Ok(links);
+    }
     let shm = ccl_transport_shm::ShmOptions {
         bytes: options.shm_bytes,
         cma: options.shm_cma,
-        timeout: deadline.saturating_duration_since(Instant::now()),
-        spin: options.spin,
+        timeout: options.timeout,
+        spin,
         ..Default::default()
     };
     let _runtime = runtime.enter();
@@ -306,6 +325,7 @@ fn connect_board(
     comm: u64,
     store: &dyn Store,
     options: &Options,
+    spin: Spin,
 ) -> Result<Option<ccl_transport_shm::Board>> {
     let board = ccl_transport_shm::connect_board(
         rank,
@@ -314,7 +334,7 @@ fn connect_board(
         store,
         std::path::Path::new(ccl_transport_shm::SHM_DIR),
         options.timeout,
-        options.spin,
+        spin,
     )?;
     Ok(match board {
         Ok(b) => Some(b),
@@ -531,9 +551,12 @@ impl Communicator {
         } else {
             None
         };
+        let (local, spin) = host_mates(rank, world_size, &*scoped, &options)?;
         let mut nshm = 0;
         let links = if world_size > 1 {
-            let shm = connect_shared_memory(rank, world_size, comm, &*scoped, &options, &runtime)?;
+            let shm = connect_shared_memory(
+                rank, world_size, comm, &*scoped, &options, local, spin, &runtime,
+            )?;
             let mut links =
                 runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?;
             nshm = shm.iter().flatten().count();
@@ -556,10 +579,10 @@ impl Communicator {
         };
         let spin = Spin {
             repoll: world_size > 1 && nshm == world_size - 1,
-            ..options.spin
+            ..spin
         };
         let board = if spin.repoll {
-            connect_board(rank, world_size, comm, &*scoped, &options)?
+            connect_board(rank, world_size, comm, &*scoped, &options, spin)?
         } else {
             None
         };

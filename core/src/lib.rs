@@ -22,7 +22,7 @@ pub use config::{Config, Launcher, Rendezvous, TransportChoice};
 pub use dtype::{DataType, Element};
 pub use error::{Error, Result};
 pub use frame::{AbortNotice, CollectiveKind, Fingerprint, FrameHeader, FrameKind};
-pub use link::{poll_repolling, repolling, Link, LinkFuture, Reduction, Spin};
+pub use link::{allowed_cpus, poll_repolling, repolling, Link, LinkFuture, Reduction, Spin};
 pub use op::ReduceOp;
 pub use store::{free_port, FileStore, HashStore, PrefixStore, Store, TcpStore, TcpStoreServer};
 pub use work::{work_pair, Completer, Work};

@@ -9,20 +9,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl::{
-    Algorithm, CollectiveKind, Communicator, DataType, HashStore, Options, ReduceOp, Spin, Store,
-};
+use ccl::{Algorithm, CollectiveKind, Communicator, DataType, HashStore, Options, ReduceOp, Store};
 use ccl_tests::with_ranks;
 
 fn options(algo: &str) -> Options {
     Options {
         timeout: Duration::from_secs(60),
         algo: Some(algo.into()),
-        spin: Spin {
-            window: Duration::from_micros(20),
-            yield_between: true,
-            repoll: false,
-        },
+        spin_window: Some(Duration::from_micros(20)),
         ..Options::default()
     }
 }
