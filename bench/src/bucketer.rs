@@ -25,6 +25,7 @@ use ccl::{Bucketer, Communicator, Config, Launcher, Options, ReduceOp, TensorId}
 use clap::Args;
 
 use crate::{cli, size, spawn};
+use ccl_run::Bind;
 
 fn size_arg(s: &str) -> Result<u64, String> {
     size::parse_size(s)
@@ -59,6 +60,9 @@ pub struct BucketerArgs {
     /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
     #[arg(short = 'N', long, value_name = "N", value_parser = count_arg)]
     pub ranks: Option<usize>,
+    /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
+    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    pub bind: Bind,
     /// Timed iterations
     #[arg(short = 'n', long, value_name = "N", default_value = "10", value_parser = count_arg)]
     pub iters: usize,
@@ -125,7 +129,7 @@ pub fn main(args: BucketerArgs, started: SystemTime) -> i32 {
     if config.launcher == Launcher::None {
         let n = args.ranks.unwrap_or_else(cli::default_ranks);
         let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
-        return spawn::run_local(n, &argv, started);
+        return spawn::run_local(n, &argv, args.bind, started);
     }
     if let Some(r) = args.ranks.filter(|&r| r != config.world_size) {
         if config.rank == 0 {

@@ -9,6 +9,7 @@ use ccl::{Algorithm, Choice, DataType, ReduceOp};
 use clap::{Args, Parser, Subcommand};
 
 use crate::{coll::Coll, size};
+use ccl_run::Bind;
 
 /// Default sweep when no size is given.
 pub const DEFAULT_MIN_SIZE: u64 = 8;
@@ -204,6 +205,9 @@ pub struct CommonArgs {
     /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
     #[arg(short = 'N', long, value_name = "N", value_parser = ranks_arg, allow_hyphen_values = true)]
     pub ranks: Option<usize>,
+    /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
+    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    pub bind: Bind,
     /// Element type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64
     #[arg(short = 'd', long, value_name = "TYPE", default_value = "f32", value_parser = dtype_arg)]
     pub dtype: DataType,
@@ -294,6 +298,7 @@ pub struct Plan {
     pub transport: String,
     pub timeout: Duration,
     pub ranks: Option<usize>,
+    pub bind: Bind,
     pub json: Option<PathBuf>,
     pub csv: Option<PathBuf>,
     pub plot: Option<PathBuf>,
@@ -417,6 +422,7 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
         transport: "tcp".into(),
         timeout: timeout(c.timeout)?,
         ranks: c.ranks,
+        bind: c.bind,
         json: c.json.clone(),
         csv: c.csv.clone(),
         plot: c.plot.clone(),

@@ -148,5 +148,5 @@ fn bench(coll: Coll, args: &BenchArgs, started: SystemTime) -> i32 {
         return usage(&e.to_string());
     }
     let args: Vec<OsString> = std::env::args_os().skip(1).collect();
-    spawn::run_local(n, &args, started)
+    spawn::run_local(n, &args, plan.bind, started)
 }

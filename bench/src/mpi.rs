@@ -16,6 +16,7 @@ use std::{
 };
 
 use ccl::{Config, DataType, Launcher, ReduceOp};
+use ccl_run::Bind;
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -262,14 +263,23 @@ fn is_root_user() -> bool {
 }
 
 /// mpirun's arguments before the program, for a variant: OpenMPI's defaults,
-/// plus `--oversubscribe` when there are more ranks than cores (which also
-/// turns off its binding to cores) and `--allow-run-as-root` for root.
-fn mpirun_args(n: usize, tcp: bool) -> Vec<String> {
+/// plus `--oversubscribe` when there are more ranks than cores, the binding
+/// ccl's ranks get (`--bind-to core`, with `:overload-allowed` when
+/// oversubscribed, places rank r on the (r mod cores)-th core as ccl-bench
+/// does; OpenMPI's own default would not bind at all when oversubscribed), and
+/// `--allow-run-as-root` for root.
+fn mpirun_args(n: usize, bind: Bind, tcp: bool) -> Vec<String> {
     let mut v = vec!["-np".to_string(), n.to_string()];
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     if n > cores {
         v.push("--oversubscribe".into());
     }
+    v.push("--bind-to".into());
+    v.push(match (bind, n > cores) {
+        (Bind::None, _) => "none".into(),
+        (Bind::Core, false) => "core".into(),
+        (Bind::Core, true) => "core:overload-allowed".into(),
+    });
     if is_root_user() {
         v.push("--allow-run-as-root".into());
     }
@@ -336,6 +346,7 @@ impl Runner<'_> {
         cmd.arg(p.coll.name())
             .args(self.size_args(bytes))
             .args(["--ranks", &self.n.to_string()])
+            .args(["--bind", p.bind.name()])
             .args(["--dtype", p.dtype.name()])
             .args(["--op", &p.op.to_string()])
             .args(["--root", &p.root.to_string()])
@@ -377,7 +388,7 @@ impl Runner<'_> {
     fn mpi(&self, bytes: u64, tcp: bool) -> Result<MpiRow, String> {
         let p = self.plan;
         let mut cmd = Command::new(&self.mpirun);
-        cmd.args(mpirun_args(self.n, tcp))
+        cmd.args(mpirun_args(self.n, p.bind, tcp))
             .arg(&self.bin)
             .arg(p.coll.name())
             .args([
@@ -582,10 +593,11 @@ pub fn compare(a: CompareArgs) -> i32 {
         plan.warmup
     );
     println!(
-        "# ccl {} (transport auto, algo auto) vs {version}: shm = mpirun {}; tcp = mpirun {}",
+        "# ccl {} (transport auto, algo auto, ranks {}) vs {version}: shm = mpirun {}; tcp = mpirun {}",
         env!("CARGO_PKG_VERSION"),
-        mpirun_args(n, false).join(" "),
-        mpirun_args(n, true).join(" ")
+        ccl_run::describe_binding(plan.bind, n, &ccl_run::allowed_cpus().unwrap_or_default()),
+        mpirun_args(n, plan.bind, false).join(" "),
+        mpirun_args(n, plan.bind, true).join(" ")
     );
     println!(
         "# each size: a fresh ccl run, then OpenMPI shm, then OpenMPI tcp; time = mean over iterations of the slowest rank"
@@ -661,8 +673,8 @@ pub fn compare(a: CompareArgs) -> i32 {
             iters: plan.iters,
             warmup: plan.warmup,
             sizes_requested: plan.sizes.clone(),
-            mpirun_shm: mpirun_args(n, false),
-            mpirun_tcp: mpirun_args(n, true),
+            mpirun_shm: mpirun_args(n, plan.bind, false),
+            mpirun_tcp: mpirun_args(n, plan.bind, true),
             ccl_transport: "auto".into(),
             time_definition: report::TIME_DEFINITION.into(),
         },

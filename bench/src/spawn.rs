@@ -18,6 +18,7 @@ use std::{
     time::SystemTime,
 };
 
+use ccl_run::Bind;
 use nix::{
     sys::{
         signal::{kill, Signal},
@@ -28,6 +29,9 @@ use nix::{
 
 /// Set in the ranks ccl-bench starts: when the parent started (ns since the epoch).
 pub const T0_VAR: &str = "CCL_BENCH_SPAWN_T0";
+
+/// Set in the ranks ccl-bench starts: where they run ("bound to CPUs 0 1").
+pub const PLACEMENT_VAR: &str = "CCL_BENCH_PLACEMENT";
 
 /// Nanoseconds since the epoch.
 pub fn epoch_ns(t: SystemTime) -> u128 {
@@ -77,9 +81,10 @@ impl Ranks {
     }
 }
 
-/// Starts `n` ranks of this program with `args` and waits for them.
-/// Returns ccl-bench's exit status: 0 if every rank succeeded, else 1.
-pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
+/// Starts `n` ranks of this program with `args`, placed as `bind` says, and
+/// waits for them. Returns ccl-bench's exit status: 0 if every rank
+/// succeeded, else 1.
+pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => {
@@ -101,6 +106,17 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
             return 1;
         }
     };
+    let cpus = match bind {
+        Bind::None => Vec::new(),
+        Bind::Core => match ccl_run::allowed_cpus() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ccl-bench: --bind core: cannot read the CPUs it may use: {e}");
+                return 1;
+            }
+        },
+    };
+    let placement = ccl_run::describe_binding(bind, n, &cpus);
     let ranks = Arc::new(Mutex::new(Ranks {
         pids: Vec::with_capacity(n),
         exited: Vec::with_capacity(n),
@@ -108,7 +124,12 @@ pub fn run_local(n: usize, args: &[OsString], t0: SystemTime) -> i32 {
     let (tx, rx) = mpsc::channel::<(usize, io::Result<ExitStatus>)>();
     for rank in 0..n {
         let mut cmd = Command::new(&exe);
-        cmd.args(args).envs(rank_env(rank, n, port, t0));
+        cmd.args(args)
+            .envs(rank_env(rank, n, port, t0))
+            .env(PLACEMENT_VAR, &placement);
+        if let Some(cpu) = ccl_run::cpu_of(rank, &cpus) {
+            ccl_run::pin_to_cpu(&mut cmd, cpu);
+        }
         if let Some(secret) = &secret {
             cmd.env(ccl_run::SECRET_VAR, secret);
         }

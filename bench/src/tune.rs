@@ -19,6 +19,7 @@ use crate::{
     coll::Coll,
     report::{unix_time, Report},
 };
+use ccl_run::Bind;
 
 /// Flags of `tune`.
 #[derive(Args, Debug, Clone)]
@@ -53,6 +54,9 @@ pub struct TuneArgs {
     /// Runs of each sweep; every point takes the median over them
     #[arg(long, value_name = "N", default_value = "1")]
     pub repeats: usize,
+    /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
+    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    pub bind: Bind,
     /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -143,6 +147,8 @@ fn measure(args: &TuneArgs) -> Result<Measured, String> {
                             links,
                             "--algo",
                             "all",
+                            "--bind",
+                            args.bind.name(),
                         ])
                         .args(["-b", &first.to_string(), "-e", &last.to_string()])
                         .args(["-f", &args.sizes.factor.to_string()])

@@ -283,7 +283,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         .ok()
         .and_then(|v| v.parse().ok());
     let launcher = if spawned_at.is_some() {
-        "ccl-bench (local processes)".to_string()
+        let placement = std::env::var(spawn::PLACEMENT_VAR).unwrap_or_default();
+        format!("ccl-bench (local processes {placement})")
     } else {
         launcher_name(config.launcher).to_string()
     };

@@ -37,7 +37,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(10);
 /// group and still holds the pipe open.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 
-use ccl_run::SECRET_VAR;
+use ccl_run::{Bind, SECRET_VAR};
 
 /// Launch N local ranks of a program with torchrun-style environment variables.
 #[derive(Parser, Debug)]
@@ -74,6 +74,11 @@ struct Cli {
     /// Seconds to wait after SIGTERM before SIGKILLing ranks that are still running.
     #[arg(long, value_name = "SECS", default_value = "5", value_parser = parse_grace)]
     grace: Duration,
+
+    /// Pin rank r to the (r mod n)-th of the n CPUs ccl-run may use (core), as
+    /// `mpirun --bind-to core` does, or leave placement to the kernel (none).
+    #[arg(long, value_name = "HOW", value_enum, default_value = "none")]
+    bind: Bind,
 
     /// Prefix every line of the ranks' stdout/stderr with "[rank R] " (default).
     #[arg(long = "tag-output", overrides_with = "no_tag_output")]
@@ -261,10 +266,24 @@ fn run(cli: Cli) -> i32 {
         secret: secret.as_deref(),
     };
 
+    let cpus = match cli.bind {
+        Bind::None => Vec::new(),
+        Bind::Core => match ccl_run::allowed_cpus() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("ccl-run: --bind core: cannot read the CPUs it may use: {e}");
+                return EXIT_USAGE;
+            }
+        },
+    };
+
     for rank in 0..cli.nproc {
         let mut cmd = Command::new(program);
         cmd.args(&cli.args);
         base_env.apply(&mut cmd, rank);
+        if let Some(cpu) = ccl_run::cpu_of(rank, &cpus) {
+            ccl_run::pin_to_cpu(&mut cmd, cpu);
+        }
         match spawn_rank(cmd, rank, tag_output, &done_tx) {
             Ok(r) => ranks.push(r),
             Err(e) => {

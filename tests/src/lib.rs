@@ -209,3 +209,15 @@ pub fn no_panic(outputs: &[RankOutput]) {
         );
     }
 }
+
+/// `ccl-run`, which `cargo test --workspace` builds beside this crate's
+/// binaries; `beside` is one of them (`env!("CARGO_BIN_EXE_...")`).
+pub fn ccl_run(beside: &str) -> std::path::PathBuf {
+    let path = std::path::PathBuf::from(beside).with_file_name("ccl-run");
+    assert!(
+        path.exists(),
+        "{} is missing: run the workspace's tests (cargo test --workspace, or -p ccl-run) so that ccl-run is built",
+        path.display()
+    );
+    path
+}

@@ -8,7 +8,6 @@
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
-    path::PathBuf,
     process::Command,
     thread,
     time::{Duration, Instant},
@@ -19,7 +18,7 @@ use ccl_core::{
     auth::{self, Answer, Challenge, Response},
     CollectiveKind, DataType, Fingerprint, FrameHeader,
 };
-use ccl_tests::{assert_all_ok, launch_each, RankOutput};
+use ccl_tests::{assert_all_ok, ccl_run, launch_each, RankOutput};
 use rand::{Rng, RngCore};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
@@ -301,20 +300,9 @@ fn without_a_secret_a_job_works_and_says_once_it_is_unauthenticated() {
     }
 }
 
-/// `ccl-run`, built by `cargo test --workspace` next to this crate's binaries.
-fn ccl_run() -> PathBuf {
-    let path = PathBuf::from(WORKER).with_file_name("ccl-run");
-    assert!(
-        path.exists(),
-        "{} is missing: run the workspace's tests (cargo test --workspace, or -p ccl-run) so that ccl-run is built",
-        path.display()
-    );
-    path
-}
-
 #[test]
 fn ccl_run_gives_its_ranks_a_secret() {
-    let out = Command::new(ccl_run())
+    let out = Command::new(ccl_run(WORKER))
         .args(["-n", "3", "--", WORKER, "collectives"])
         .env_remove("CCL_JOB_SECRET")
         .env("CCL_TRANSPORT", "tcp")

@@ -1,19 +1,13 @@
 //! The README's example: `ccl-run -n 4` runs the data-parallel training step,
 //! and every rank prints the same decreasing loss.
 
-use std::{path::PathBuf, process::Command};
+use std::process::Command;
 
-/// `ccl-run`, built by `cargo test --workspace` next to this crate's binaries.
-fn ccl_run() -> PathBuf {
-    let example = PathBuf::from(env!("CARGO_BIN_EXE_data-parallel-example"));
-    let path = example.with_file_name("ccl-run");
-    assert!(path.exists(), "{} is missing: run the workspace's tests (cargo test --workspace) so that ccl-run is built", path.display());
-    path
-}
+use ccl_tests::ccl_run;
 
 #[test]
 fn ccl_run_runs_the_data_parallel_example() {
-    let out = Command::new(ccl_run())
+    let out = Command::new(ccl_run(env!("CARGO_BIN_EXE_data-parallel-example")))
         .args(["-n", "4", "--", env!("CARGO_BIN_EXE_data-parallel-example")])
         .env("CCL_TIMEOUT", "60s")
         .output()

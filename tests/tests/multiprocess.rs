@@ -2,9 +2,9 @@
 //! sub-communicators, point-to-point, and a dead rank (more failure cases
 //! are in faults.rs).
 
-use std::time::Duration;
+use std::{process::Command, time::Duration};
 
-use ccl_tests::{assert_all_ok, launch, launch_each, leftovers};
+use ccl_tests::{assert_all_ok, ccl_run, launch, launch_each, leftovers};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
@@ -215,5 +215,38 @@ fn a_dead_rank_is_named_by_every_survivor() {
                 o.elapsed
             );
         }
+    }
+}
+
+/// Ranks pinned one to a CPU (`ccl-run --bind core`, or mpirun's default)
+/// count as having a CPU each and poll before they sleep; one rank more than
+/// CPUs makes them share, and they yield between polls. ccl-run itself is
+/// held to (at most) two CPUs so that the case is the same on any machine.
+#[test]
+fn pinned_ranks_are_counted_over_the_cpus_they_may_use() {
+    let cpus: Vec<String> = ccl_core::allowed_cpus()
+        .expect("sched_getaffinity")
+        .iter()
+        .take(2)
+        .map(usize::to_string)
+        .collect();
+    let k = cpus.len();
+    for (n, expect) in [(k, "a CPU each"), (k + 1, "they share CPUs")] {
+        let out = Command::new("taskset")
+            .args(["-c", &cpus.join(",")])
+            .arg(ccl_run(WORKER))
+            .args(["--bind", "core", "-n", &n.to_string(), "--", WORKER, "p2p"])
+            .env("CCL_DEBUG", "info")
+            .env("CCL_TIMEOUT", "60s")
+            .output()
+            .expect("run taskset ccl-run");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert_eq!(stdout.matches(" 0 failures").count(), n, "{stdout}");
+        let line = format!("{n} ranks on this host, on {k} CPUs between them: {expect}");
+        assert_eq!(stderr.matches(&line).count(), n, "{line:?} in {stderr}");
     }
 }
