@@ -551,14 +551,19 @@ impl Communicator {
         } else {
             None
         };
-        let (local, spin) = host_mates(rank, world_size, &*scoped, &options)?;
         let mut nshm = 0;
-        let links = if world_size > 1 {
+        // The TCP mesh first: its listening ports open as soon as the
+        // membership check passes, whatever the host exchange waits for.
+        let mut links = if world_size > 1 {
+            runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?
+        } else {
+            vec![None]
+        };
+        let (local, spin) = host_mates(rank, world_size, &*scoped, &options)?;
+        if world_size > 1 {
             let shm = connect_shared_memory(
                 rank, world_size, comm, &*scoped, &options, local, spin, &runtime,
             )?;
-            let mut links =
-                runtime.block_on(connect_mesh(rank, world_size, comm, &*scoped, &tcp))?;
             nshm = shm.iter().flatten().count();
             for (link, shm) in links.iter_mut().zip(shm) {
                 if shm.is_some() {
@@ -573,10 +578,7 @@ impl Communicator {
                 world_size - 1,
                 started.elapsed()
             );
-            links
-        } else {
-            vec![None]
-        };
+        }
         let spin = Spin {
             repoll: world_size > 1 && nshm == world_size - 1,
             ..spin
