@@ -106,15 +106,12 @@ pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32
             return 1;
         }
     };
-    let cpus = match bind {
-        Bind::None => Vec::new(),
-        Bind::Core => match ccl_run::allowed_cpus() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("ccl-bench: --bind core: cannot read the CPUs it may use: {e}");
-                return 1;
-            }
-        },
+    let cpus = match bind.cpus() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ccl-bench: --bind core: cannot read the CPUs it may use: {e}");
+            return 1;
+        }
     };
     let placement = ccl_run::describe_binding(bind, n, &cpus);
     let ranks = Arc::new(Mutex::new(Ranks {

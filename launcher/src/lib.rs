@@ -66,6 +66,15 @@ impl Bind {
             Bind::Core => "core",
         }
     }
+
+    /// The CPUs ranks are pinned to, round robin ([`cpu_of`]): those this
+    /// process may use under [`Bind::Core`], none under [`Bind::None`].
+    pub fn cpus(self) -> io::Result<Vec<usize>> {
+        match self {
+            Bind::None => Ok(Vec::new()),
+            Bind::Core => allowed_cpus(),
+        }
+    }
 }
 
 /// The CPU local rank `local_rank` is pinned to under [`Bind::Core`].

@@ -266,15 +266,12 @@ fn run(cli: Cli) -> i32 {
         secret: secret.as_deref(),
     };
 
-    let cpus = match cli.bind {
-        Bind::None => Vec::new(),
-        Bind::Core => match ccl_run::allowed_cpus() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("ccl-run: --bind core: cannot read the CPUs it may use: {e}");
-                return EXIT_USAGE;
-            }
-        },
+    let cpus = match cli.bind.cpus() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("ccl-run: --bind core: cannot read the CPUs it may use: {e}");
+            return EXIT_USAGE;
+        }
     };
 
     for rank in 0..cli.nproc {
