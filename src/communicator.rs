@@ -1721,9 +1721,20 @@ mod tests {
             comm.algorithm_for(CollectiveKind::AllReduce, 2, DataType::F32),
             Algorithm::RecursiveDoubling
         );
+        // Larger sizes take what the measured table says for the nearest
+        // world size it has, over network links (one rank has no board).
+        let big = 1usize << 20;
+        let table = tuner::Tuner::builtin()
+            .narrowed(1, Links::Network)
+            .choose(
+                CollectiveKind::AllReduce,
+                tuner::buffer_bytes(CollectiveKind::AllReduce, big, 4, 1),
+            )
+            .expect("the table has allreduce over tcp");
+        assert_ne!(table.algorithm, Algorithm::RecursiveDoubling);
         assert_eq!(
-            comm.algorithm_for(CollectiveKind::AllReduce, 1 << 20, DataType::F32),
-            Algorithm::Ring
+            comm.choice_for(CollectiveKind::AllReduce, big, DataType::F32),
+            table
         );
         assert_eq!(
             comm.algorithm_for(CollectiveKind::Broadcast, 2, DataType::F32),

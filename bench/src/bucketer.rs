@@ -61,7 +61,13 @@ pub struct BucketerArgs {
     #[arg(short = 'N', long, value_name = "N", value_parser = count_arg)]
     pub ranks: Option<usize>,
     /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
-    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    #[arg(
+        long,
+        value_name = "HOW",
+        value_enum,
+        default_value = "core",
+        hide_possible_values = true
+    )]
     pub bind: Bind,
     /// Timed iterations
     #[arg(short = 'n', long, value_name = "N", default_value = "10", value_parser = count_arg)]

@@ -206,7 +206,13 @@ pub struct CommonArgs {
     #[arg(short = 'N', long, value_name = "N", value_parser = ranks_arg, allow_hyphen_values = true)]
     pub ranks: Option<usize>,
     /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
-    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    #[arg(
+        long,
+        value_name = "HOW",
+        value_enum,
+        default_value = "core",
+        hide_possible_values = true
+    )]
     pub bind: Bind,
     /// Element type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64
     #[arg(short = 'd', long, value_name = "TYPE", default_value = "f32", value_parser = dtype_arg)]

@@ -55,7 +55,13 @@ pub struct TuneArgs {
     #[arg(long, value_name = "N", default_value = "1")]
     pub repeats: usize,
     /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
-    #[arg(long, value_name = "HOW", value_enum, default_value = "core")]
+    #[arg(
+        long,
+        value_name = "HOW",
+        value_enum,
+        default_value = "core",
+        hide_possible_values = true
+    )]
     pub bind: Bind,
     /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
     #[arg(long, value_name = "FILE")]

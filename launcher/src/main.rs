@@ -77,7 +77,13 @@ struct Cli {
 
     /// Pin rank r to the (r mod n)-th of the n CPUs ccl-run may use (core), as
     /// `mpirun --bind-to core` does, or leave placement to the kernel (none).
-    #[arg(long, value_name = "HOW", value_enum, default_value = "none")]
+    #[arg(
+        long,
+        value_name = "HOW",
+        value_enum,
+        default_value = "none",
+        hide_possible_values = true
+    )]
     bind: Bind,
 
     /// Prefix every line of the ranks' stdout/stderr with "[rank R] " (default).
