@@ -903,17 +903,27 @@ fn main() {
             ck.ok("warm-up", comm.barrier());
             // "small": a message the shared-memory board carries, which the
             // victim never joins (its part would be posted at once); else a
-            // large one (128 MiB: about 45 ms at 2 ranks in a release build),
-            // which the victim leaves halfway, 20 ms in.
+            // large one (128 MiB), which the victim leaves an eighth of the
+            // way through: an eighth of the faster of two complete ones, so
+            // that a fast machine cannot finish the call before it dies.
             let small = args.get(3).map(String::as_str) == Some("small");
             if small && comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(20));
                 exit(7);
             }
             let len = if small { 2 } else { 32 << 20 };
-            let w = comm.iallreduce(vec![1.0f32; len], ReduceOp::Sum);
+            let buf = vec![1.0f32; len];
+            let mut one_call = std::time::Duration::MAX;
+            let timed_calls = if small { 0 } else { 2 };
+            for _ in 0..timed_calls {
+                let mut first = buf.clone();
+                let timed = std::time::Instant::now();
+                ck.ok("timed allreduce", comm.allreduce(&mut first, ReduceOp::Sum));
+                one_call = one_call.min(timed.elapsed());
+            }
+            let w = comm.iallreduce(buf, ReduceOp::Sum);
             if comm.rank() == victim {
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(one_call / 8);
                 exit(7);
             }
             match w.wait() {
