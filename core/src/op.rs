@@ -339,7 +339,8 @@ pub fn reduce(
 }
 
 /// [`reduce_with`] compiled for AVX2 (twice the vector width of the x86-64
-/// baseline) and F16C, for the CPUs that have them.
+/// baseline) and F16C, for the CPUs that have them; f16 and bf16 run fused
+/// vector kernels.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_avx2(
@@ -349,7 +350,135 @@ unsafe fn reduce_avx2(
     a: Option<&[u8]>,
     b: &[u8],
 ) -> Result<()> {
-    reduce_with(c, dtype, dst, a, b)
+    macro_rules! half {
+        ($kernel:path, $t:ty) => {{
+            let a: Option<&[$t]> = match a {
+                Some(a) => Some(typed(a, "first operand")?),
+                None => None,
+            };
+            let (dst, b) = (
+                typed_mut::<$t>(dst, "destination")?,
+                typed(b, "second operand")?,
+            );
+            // SAFETY: this function runs only where the CPU has AVX2 and F16C.
+            unsafe { $kernel(c, dst, a, b) };
+            Ok(())
+        }};
+    }
+    match dtype {
+        DataType::F16 => half!(x86::kernel_f16, f16),
+        DataType::Bf16 => half!(x86::kernel_bf16, bf16),
+        _ => reduce_with(c, dtype, dst, a, b),
+    }
+}
+
+/// Fused 16-bit float kernels for AVX2 and F16C: eight elements at a time
+/// are widened to f32, combined and rounded back in registers, with the same
+/// values as [`kernel_half`] (IEEE rounding to nearest, ties to even; a NaN
+/// stays a NaN, quieted).
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::{
+        __m128i, __m256, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmp_ps,
+        _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_max_ps,
+        _mm256_min_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
+        _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32,
+        _mm_loadu_si128, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+    };
+
+    use half::{bf16, f16};
+
+    use super::{kernel_half, Combine};
+
+    /// Eight f16 at `p`, widened.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load_f16(p: *const f16) -> __m256 {
+        // SAFETY: the caller reads 8 elements at `p` (unaligned).
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+    }
+
+    /// Rounds `v` to eight f16 at `p`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn store_f16(p: *mut f16, v: __m256) {
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        // SAFETY: the caller writes 8 elements at `p` (unaligned).
+        unsafe { _mm_storeu_si128(p.cast::<__m128i>(), h) }
+    }
+
+    /// Eight bf16 at `p`, widened (a signalling NaN comes out quiet).
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn load_bf16(p: *const bf16) -> __m256 {
+        // SAFETY: the caller reads 8 elements at `p` (unaligned).
+        let w = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast::<__m128i>()) });
+        let abs = _mm256_and_si256(w, _mm256_set1_epi32(0x7fff));
+        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80));
+        let quiet = _mm256_and_si256(nan, _mm256_set1_epi32(0x0040));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_or_si256(w, quiet)))
+    }
+
+    /// Rounds `v` to eight bf16 at `p`.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn store_bf16(p: *mut bf16, v: __m256) {
+        let x = _mm256_castps_si256(v);
+        let high = _mm256_srli_epi32::<16>(x);
+        let odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd);
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
+        let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x0040));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        let r = _mm256_blendv_epi8(rounded, quiet, nan);
+        // Every lane holds at most 0xffff, so packing does not saturate;
+        // the permutation puts lanes 0-3 and 4-7 next to each other.
+        let packed = _mm256_permute4x64_epi64::<0b1000>(_mm256_packus_epi32(r, r));
+        // SAFETY: the caller writes 8 elements at `p` (unaligned).
+        unsafe { _mm_storeu_si128(p.cast::<__m128i>(), _mm256_castsi256_si128(packed)) }
+    }
+
+    macro_rules! fused {
+        ($name:ident, $t:ty, $load:ident, $store:ident) => {
+            /// `dst = a ⊕ b` (`a = dst` when `None`) over the common length.
+            ///
+            /// # Safety
+            /// The CPU must have AVX2 and F16C.
+            #[target_feature(enable = "avx2,f16c")]
+            pub unsafe fn $name(c: Combine, dst: &mut [$t], a: Option<&[$t]>, b: &[$t]) {
+                let n = dst.len().min(b.len()).min(a.map_or(usize::MAX, <[$t]>::len));
+                let whole = n / 8 * 8;
+                let (d, bp) = (dst.as_mut_ptr(), b.as_ptr());
+                let ap = a.map_or(d.cast_const(), <[$t]>::as_ptr);
+                macro_rules! each {
+                    ($x:ident, $y:ident => $e:expr) => {
+                        for i in (0..whole).step_by(8) {
+                            // SAFETY: i + 8 <= whole <= n, within every
+                            // slice; dst is read before it is written.
+                            unsafe {
+                                let ($x, $y) = ($load(ap.add(i)), $load(bp.add(i)));
+                                $store(d.add(i), $e);
+                            }
+                        }
+                    };
+                }
+                match c {
+                    Combine::Sum => each!(x, y => _mm256_add_ps(x, y)),
+                    Combine::Prod => each!(x, y => _mm256_mul_ps(x, y)),
+                    // As the scalar kernels: y if y < x (else x), y if y > x.
+                    Combine::Min => each!(x, y => _mm256_min_ps(y, x)),
+                    Combine::Max => each!(x, y => _mm256_max_ps(y, x)),
+                    // Rejected by `ReduceOp::validate` before any kernel runs.
+                    Combine::And | Combine::Or | Combine::Xor => {}
+                }
+                kernel_half(c, &mut dst[whole..n], a.map(|a| &a[whole..n]), &b[whole..n]);
+            }
+        };
+    }
+
+    fused!(kernel_f16, f16, load_f16, store_f16);
+    fused!(kernel_bf16, bf16, load_bf16, store_bf16);
 }
 
 /// The kernel for `dtype`, inlined into each caller so that it is compiled
@@ -531,14 +660,8 @@ mod tests {
     /// The hand-written bf16 conversions agree with `half` bit for bit:
     /// every bf16 widens exactly, and f32s round alike (ties, subnormals,
     /// infinities, NaNs, and a spread of random bit patterns).
-    #[test]
-    fn bf16_conversions_match_half() {
-        let every: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
-        let mut wide = vec![0f32; every.len()];
-        bf16::widen(&every, &mut wide);
-        for (h, w) in every.iter().zip(&wide) {
-            assert_eq!(h.to_f32().to_bits(), w.to_bits(), "{h:?}");
-        }
+    /// 65k f32s of random bits, and the special values.
+    fn awkward_singles() -> Vec<f32> {
         let mut x = 0x9e37_79b9u32;
         let mut singles: Vec<f32> = (0..1 << 16)
             .map(|_| {
@@ -557,6 +680,78 @@ mod tests {
             f32::INFINITY,
         ]);
         singles.extend([f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x7f80_0001)]);
+        singles
+    }
+
+    /// The fused AVX2 kernels give the portable kernels' results bit for bit
+    /// (a NaN for a NaN), for every op, both forms, every f16 and bf16 value against a spread of
+    /// others (NaNs, infinities, subnormals, ties), and a tail of odd length.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn fused_half_kernels_match_the_portable_ones() {
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("this CPU has no AVX2 and F16C, so reductions do not use these kernels");
+            return;
+        }
+        fn check<H: Half + bytemuck::Pod + std::fmt::Debug>(
+            name: &str,
+            bits: impl Fn(u16) -> H,
+            fused: unsafe fn(Combine, &mut [H], Option<&[H]>, &[H]),
+        ) {
+            let a: Vec<H> = (0..=u16::MAX).chain(0..5).map(&bits).collect();
+            let b: Vec<H> = (0..a.len() as u32)
+                .map(|i| bits((i.wrapping_mul(40_503) ^ 0x5bd1) as u16))
+                .collect();
+            let as_bits = |v: &[H]| -> Vec<u16> { bytemuck::cast_slice(v).to_vec() };
+            for c in [Combine::Sum, Combine::Prod, Combine::Min, Combine::Max] {
+                let mut want = a.clone();
+                kernel_half(c, &mut want, None, &b);
+                let (mut got, mut three) = (a.clone(), vec![bits(0); a.len()]);
+                // SAFETY: the CPU has AVX2 and F16C (checked above).
+                unsafe {
+                    fused(c, &mut got, None, &b);
+                    fused(c, &mut three, Some(&a), &b);
+                }
+                // NaN ⊕ NaN may keep either operand's payload: any NaN will do.
+                let nan = |v: &[H]| {
+                    let mut wide = vec![0f32; v.len()];
+                    H::widen(v, &mut wide);
+                    wide.iter().map(|x| x.is_nan()).collect::<Vec<bool>>()
+                };
+                let want_nan = nan(&want);
+                for (form, got) in [("in place", &got), ("three operands", &three)] {
+                    let (w, g, got_nan) = (as_bits(&want), as_bits(got), nan(got));
+                    let first =
+                        (0..w.len()).find(|&i| w[i] != g[i] && !(want_nan[i] && got_nan[i]));
+                    assert!(
+                        first.is_none(),
+                        "{name} {form}: element {first:?}: {:?} ⊕ {:?}: want {:?}, got {:?}",
+                        first.map(|i| a[i]),
+                        first.map(|i| b[i]),
+                        first.map(|i| want[i]),
+                        first.map(|i| got[i]),
+                    );
+                }
+            }
+        }
+        check("f16", f16::from_bits, x86::kernel_f16);
+        check("bf16", bf16::from_bits, x86::kernel_bf16);
+    }
+
+    /// The hand-written bf16 conversions agree with `half` bit for bit:
+    /// every bf16 widens exactly, and f32s round alike (ties, subnormals,
+    /// overflow, NaN).
+    #[test]
+    fn bf16_conversions_match_half() {
+        let every: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let mut wide = vec![0f32; every.len()];
+        bf16::widen(&every, &mut wide);
+        for (h, w) in every.iter().zip(&wide) {
+            assert_eq!(h.to_f32().to_bits(), w.to_bits(), "{h:?}");
+        }
+        let mut singles = awkward_singles();
         singles.extend((0..64).map(|i| f32::from_bits(0x3f80_8000 + (i << 16))));
         let mut narrow = vec![bf16::ZERO; singles.len()];
         bf16::narrow(&singles, &mut narrow);
