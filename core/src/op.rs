@@ -381,10 +381,10 @@ mod x86 {
     use std::arch::x86_64::{
         __m128i, __m256, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
         _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmp_ps,
-        _mm256_cmpgt_epi32, _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_max_ps,
-        _mm256_min_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
-        _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32,
-        _mm_loadu_si128, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+        _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_max_ps, _mm256_min_ps,
+        _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
+        _mm256_set1_epi32, _mm256_slli_epi32, _mm256_srli_epi32, _mm_loadu_si128, _mm_storeu_si128,
+        _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
     };
 
     use half::{bf16, f16};
@@ -408,16 +408,15 @@ mod x86 {
         unsafe { _mm_storeu_si128(p.cast::<__m128i>(), h) }
     }
 
-    /// Eight bf16 at `p`, widened (a signalling NaN comes out quiet).
+    /// Eight bf16 at `p`, widened. A signalling NaN is not quieted here,
+    /// unlike in [`Half::widen`]: the op's result is a NaN all the same, and
+    /// [`store_bf16`] quiets it.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn load_bf16(p: *const bf16) -> __m256 {
         // SAFETY: the caller reads 8 elements at `p` (unaligned).
         let w = _mm256_cvtepu16_epi32(unsafe { _mm_loadu_si128(p.cast::<__m128i>()) });
-        let abs = _mm256_and_si256(w, _mm256_set1_epi32(0x7fff));
-        let nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80));
-        let quiet = _mm256_and_si256(nan, _mm256_set1_epi32(0x0040));
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_or_si256(w, quiet)))
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
     }
 
     /// Rounds `v` to eight bf16 at `p`.
@@ -695,10 +694,11 @@ mod tests {
             eprintln!("this CPU has no AVX2 and F16C, so reductions do not use these kernels");
             return;
         }
+        type Fused<H> = unsafe fn(Combine, &mut [H], Option<&[H]>, &[H]);
         fn check<H: Half + bytemuck::Pod + std::fmt::Debug>(
             name: &str,
             bits: impl Fn(u16) -> H,
-            fused: unsafe fn(Combine, &mut [H], Option<&[H]>, &[H]),
+            fused: Fused<H>,
         ) {
             let a: Vec<H> = (0..=u16::MAX).chain(0..5).map(&bits).collect();
             let b: Vec<H> = (0..a.len() as u32)
