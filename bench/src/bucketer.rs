@@ -24,8 +24,10 @@ use std::{
 use ccl::{Bucketer, Communicator, Config, Launcher, Options, ReduceOp, TensorId};
 use clap::Args;
 
-use crate::{cli, size, spawn};
-use ccl_run::Bind;
+use crate::{
+    cli::{self, Placement},
+    size, spawn,
+};
 
 fn size_arg(s: &str) -> Result<u64, String> {
     size::parse_size(s)
@@ -60,15 +62,8 @@ pub struct BucketerArgs {
     /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
     #[arg(short = 'N', long, value_name = "N", value_parser = count_arg)]
     pub ranks: Option<usize>,
-    /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
-    #[arg(
-        long,
-        value_name = "HOW",
-        value_enum,
-        default_value = "core",
-        hide_possible_values = true
-    )]
-    pub bind: Bind,
+    #[command(flatten)]
+    pub placement: Placement,
     /// Timed iterations
     #[arg(short = 'n', long, value_name = "N", default_value = "10", value_parser = count_arg)]
     pub iters: usize,
@@ -135,7 +130,7 @@ pub fn main(args: BucketerArgs, started: SystemTime) -> i32 {
     if config.launcher == Launcher::None {
         let n = args.ranks.unwrap_or_else(cli::default_ranks);
         let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
-        return spawn::run_local(n, &argv, args.bind, started);
+        return spawn::run_local(n, &argv, args.placement.bind, started);
     }
     if let Some(r) = args.ranks.filter(|&r| r != config.world_size) {
         if config.rank == 0 {

@@ -199,12 +199,9 @@ impl SizeArgs {
     }
 }
 
-/// Flags shared by the benchmarks and compare-mpi.
-#[derive(Args, Debug, Clone)]
-pub struct CommonArgs {
-    /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
-    #[arg(short = 'N', long, value_name = "N", value_parser = ranks_arg, allow_hyphen_values = true)]
-    pub ranks: Option<usize>,
+/// Where ccl-bench's local ranks run (`--bind`).
+#[derive(Args, Debug, Clone, Copy)]
+pub struct Placement {
     /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
     #[arg(
         long,
@@ -214,6 +211,16 @@ pub struct CommonArgs {
         hide_possible_values = true
     )]
     pub bind: Bind,
+}
+
+/// Flags shared by the benchmarks and compare-mpi.
+#[derive(Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
+    #[arg(short = 'N', long, value_name = "N", value_parser = ranks_arg, allow_hyphen_values = true)]
+    pub ranks: Option<usize>,
+    #[command(flatten)]
+    pub placement: Placement,
     /// Element type: i8 u8 i32 u32 i64 u64 f16 bf16 f32 f64
     #[arg(short = 'd', long, value_name = "TYPE", default_value = "f32", value_parser = dtype_arg)]
     pub dtype: DataType,
@@ -428,7 +435,7 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
         transport: "tcp".into(),
         timeout: timeout(c.timeout)?,
         ranks: c.ranks,
-        bind: c.bind,
+        bind: c.placement.bind,
         json: c.json.clone(),
         csv: c.csv.clone(),
         plot: c.plot.clone(),

@@ -595,7 +595,7 @@ pub fn compare(a: CompareArgs) -> i32 {
     println!(
         "# ccl {} (transport auto, algo auto, ranks {}) vs {version}: shm = mpirun {}; tcp = mpirun {}",
         env!("CARGO_PKG_VERSION"),
-        ccl_run::describe_binding(plan.bind, n, &ccl_run::allowed_cpus().unwrap_or_default()),
+        ccl_run::describe_binding(plan.bind, n, &plan.bind.cpus().unwrap_or_default()),
         mpirun_args(n, plan.bind, false).join(" "),
         mpirun_args(n, plan.bind, true).join(" ")
     );

@@ -15,11 +15,10 @@ use ccl_algorithms::{Links, Tuner};
 use clap::Args;
 
 use crate::{
-    cli::SizeArgs,
+    cli::{Placement, SizeArgs},
     coll::Coll,
     report::{unix_time, Report},
 };
-use ccl_run::Bind;
 
 /// Flags of `tune`.
 #[derive(Args, Debug, Clone)]
@@ -54,15 +53,8 @@ pub struct TuneArgs {
     /// Runs of each sweep; every point takes the median over them
     #[arg(long, value_name = "N", default_value = "1")]
     pub repeats: usize,
-    /// Local ranks: pin rank r to the (r mod n)-th of the n CPUs allowed (core, as mpirun's default), or leave them to the scheduler (none)
-    #[arg(
-        long,
-        value_name = "HOW",
-        value_enum,
-        default_value = "core",
-        hide_possible_values = true
-    )]
-    pub bind: Bind,
+    #[command(flatten)]
+    pub placement: Placement,
     /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -154,7 +146,7 @@ fn measure(args: &TuneArgs) -> Result<Measured, String> {
                             "--algo",
                             "all",
                             "--bind",
-                            args.bind.name(),
+                            args.placement.bind.name(),
                         ])
                         .args(["-b", &first.to_string(), "-e", &last.to_string()])
                         .args(["-f", &args.sizes.factor.to_string()])
