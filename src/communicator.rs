@@ -14,9 +14,11 @@ use ccl_algorithms::{
     Spec, Tuner,
 };
 use ccl_core::{
-    op, work_pair, CollectiveKind, Config, DataType, Element, Error, FileStore, Fingerprint,
-    HashStore, Link, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store, TcpStore,
-    TransportChoice, Work,
+    op, work_pair, CollectiveKind, DataType, Element, Error, Fingerprint, Link, ReduceOp, Result,
+    Spin, Store, Work,
+};
+use ccl_rendezvous::{
+    config::TransportChoice, Config, FileStore, HashStore, PrefixStore, Rendezvous, TcpStore,
 };
 use ccl_transport_tcp::{connect_mesh, route_to, TcpOptions};
 
@@ -78,14 +80,14 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Options {
         Options {
-            timeout: ccl_core::config::DEFAULT_TIMEOUT,
+            timeout: ccl_core::DEFAULT_TIMEOUT,
             nsocks: 1,
             interface: None,
             local_ip: None,
             algo: None,
             spin_window: None,
             transport: TransportChoice::Auto,
-            shm_bytes: ccl_core::config::DEFAULT_SHM_BYTES,
+            shm_bytes: ccl_rendezvous::config::DEFAULT_SHM_BYTES,
             shm_cma: true,
             host_id: None,
             secret: None,
@@ -380,7 +382,7 @@ fn comm_id(prefix: &str, secret: Option<&ccl_core::JobSecret>) -> u64 {
     });
     match secret {
         Some(s) => {
-            let tag = s.tag(prefix.as_bytes());
+            let tag = ccl_rendezvous::auth::tag(s, prefix.as_bytes());
             id ^ u64::from_le_bytes([
                 tag[0], tag[1], tag[2], tag[3], tag[4], tag[5], tag[6], tag[7],
             ])

@@ -22,9 +22,12 @@ mod engine;
 pub use bucketer::{Bucketer, Reduced, TensorId, DEFAULT_BUCKET_CAP_BYTES};
 pub use ccl_algorithms::{Algorithm, Choice};
 pub use ccl_core::{
-    bf16, config, f16, free_port, CollectiveKind, Config, DataType, Element, Error, FileStore,
-    HashStore, JobSecret, Launcher, PrefixStore, ReduceOp, Rendezvous, Result, Spin, Store,
-    TcpStore, TcpStoreServer, TransportChoice, Work,
+    bf16, f16, CollectiveKind, DataType, Element, Error, JobSecret, ReduceOp, Result, Spin, Store,
+    Work,
+};
+pub use ccl_rendezvous::{
+    config, config::TransportChoice, free_port, Config, FileStore, HashStore, Launcher,
+    PrefixStore, Rendezvous, TcpStore, TcpStoreServer,
 };
 pub use communicator::{rendezvous_store, Communicator, Options};
 

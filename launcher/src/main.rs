@@ -239,7 +239,7 @@ fn run(cli: Cli) -> i32 {
 
     let master_port = match cli.master_port {
         Some(port) => port,
-        None => match ccl_core::free_port() {
+        None => match ccl_rendezvous::free_port() {
             Ok(port) => port,
             Err(e) => {
                 eprintln!("ccl-run: could not find a free port for MASTER_PORT: {e}");

@@ -14,10 +14,8 @@ use std::{
 };
 
 use ccl::{JobSecret, Store, TcpStore};
-use ccl_core::{
-    auth::{self, Answer, Challenge, Response},
-    CollectiveKind, DataType, Fingerprint, FrameHeader,
-};
+use ccl_core::{CollectiveKind, DataType, Fingerprint, FrameHeader};
+use ccl_rendezvous::auth::{self, Answer, Challenge, Response};
 use ccl_tests::{assert_all_ok, ccl_run, launch_each, RankOutput};
 use rand::{Rng, RngCore};
 

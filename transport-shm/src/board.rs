@@ -677,7 +677,8 @@ pub fn connect_board(
 mod tests {
     use std::{cell::Cell, sync::Arc, thread};
 
-    use ccl_core::{CollectiveKind, DataType, Fingerprint, HashStore};
+    use ccl_core::{CollectiveKind, DataType, Fingerprint};
+    use ccl_rendezvous::HashStore;
 
     use super::*;
 

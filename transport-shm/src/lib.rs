@@ -61,9 +61,9 @@ pub struct ShmOptions {
 impl Default for ShmOptions {
     fn default() -> ShmOptions {
         ShmOptions {
-            bytes: ccl_core::config::DEFAULT_SHM_BYTES,
+            bytes: ccl_rendezvous::config::DEFAULT_SHM_BYTES,
             dir: PathBuf::from(SHM_DIR),
-            timeout: ccl_core::config::DEFAULT_TIMEOUT,
+            timeout: ccl_core::DEFAULT_TIMEOUT,
             spin: Spin {
                 window: Duration::from_micros(50),
                 yield_between: false,

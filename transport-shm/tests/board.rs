@@ -8,7 +8,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Spin, Store};
+use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Spin, Store};
+use ccl_rendezvous::HashStore;
 use ccl_transport_shm::{connect_board, Board, Deadline, SHM_DIR};
 
 const SPIN: Spin = Spin {

@@ -6,9 +6,10 @@ use std::{sync::Arc, thread, time::Duration};
 use tokio::runtime::Runtime;
 
 use ccl_core::{
-    AbortNotice, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, Link,
-    ReduceOp, Reduction, Spin, Store,
+    AbortNotice, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp,
+    Reduction, Spin, Store,
 };
+use ccl_rendezvous::HashStore;
 use ccl_transport_shm::{connect, ShmOptions, REF_MIN};
 
 fn header(step: u32, len: usize) -> FrameHeader {

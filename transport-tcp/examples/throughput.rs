@@ -13,9 +13,9 @@ use std::{
 };
 
 use ccl_core::{
-    AlignedBuf, CollectiveKind, DataType, Fingerprint, FrameHeader, HashStore, Link, ReduceOp,
-    Reduction,
+    AlignedBuf, CollectiveKind, DataType, Fingerprint, FrameHeader, Link, ReduceOp, Reduction,
 };
+use ccl_rendezvous::HashStore;
 use ccl_transport_tcp::{connect_mesh, TcpOptions};
 
 const ROUNDS: usize = 7;

@@ -7,10 +7,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{
-    auth::{self, Acceptor, Answer, AuthError, JobSecret},
-    Error, Link, Result, Store,
-};
+use ccl_core::{Error, JobSecret, Link, Result, Store};
+use ccl_rendezvous::auth::{self, Acceptor, Answer, AuthError};
 use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::{

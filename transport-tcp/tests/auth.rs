@@ -9,9 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{
+use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, JobSecret, Link, Store};
+use ccl_rendezvous::{
     auth::{self, Challenge, Proof, Response},
-    CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore, JobSecret, Link, Store,
+    HashStore,
 };
 use ccl_transport_tcp::{connect_mesh, TcpOptions};
 

@@ -11,9 +11,10 @@ use std::{
 };
 
 use ccl_core::{
-    AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, HashStore,
-    Link, ReduceOp, Reduction, Store,
+    AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link,
+    ReduceOp, Reduction, Store,
 };
+use ccl_rendezvous::HashStore;
 use ccl_transport_tcp::{connect_mesh, TcpOptions, REDUCE_PIECE};
 use futures::future::join_all;
 
@@ -441,10 +442,10 @@ fn strangers_do_not_break_the_mesh() {
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
         // Without a secret the acceptor opens with a challenge asking for none.
-        let mut challenge = [0u8; ccl_core::auth::CHALLENGE_LEN];
+        let mut challenge = [0u8; ccl_rendezvous::auth::CHALLENGE_LEN];
         other.read_exact(&mut challenge).unwrap();
         assert!(
-            !ccl_core::auth::Challenge::decode(&challenge)
+            !ccl_rendezvous::auth::Challenge::decode(&challenge)
                 .unwrap()
                 .required
         );

@@ -24,7 +24,7 @@ use nix::{
 };
 
 use super::{hash::parse_counter, Store};
-use crate::{Error, Result};
+use ccl_core::{Error, Result};
 
 /// Name of the lock file in the store's directory.
 const LOCK_FILE: &str = ".lock";

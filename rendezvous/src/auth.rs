@@ -30,12 +30,13 @@
 //! The encoders and decoders here are plain functions over byte slices with no
 //! I/O; the store and the TCP transport do the reading and writing.
 
-use std::{fmt, sync::Arc};
+use std::fmt;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::{Error, Result};
+pub use ccl_core::JobSecret;
+use ccl_core::{Error, Result};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -51,8 +52,6 @@ pub const CHALLENGE_LEN: usize = 8 + NONCE_LEN;
 pub const RESPONSE_LEN: usize = 4 + MAC_LEN + NONCE_LEN;
 /// Bytes of an encoded [`Proof`].
 pub const PROOF_LEN: usize = 8 + MAC_LEN;
-/// Longest secret accepted, in bytes.
-pub const MAX_SECRET: usize = 4096;
 
 /// First bytes of a [`Challenge`].
 pub const CHALLENGE_MAGIC: [u8; 4] = *b"CCLA";
@@ -74,64 +73,24 @@ pub fn link_context(comm: u64) -> Vec<u8> {
     c
 }
 
-/// The shared secret of a job. Its bytes never appear in `Debug` output or
-/// error messages.
-#[derive(Clone)]
-pub struct JobSecret(Arc<[u8]>);
-
-impl JobSecret {
-    /// A secret of these bytes; an error if empty or longer than [`MAX_SECRET`].
-    pub fn new(bytes: impl AsRef<[u8]>) -> Result<JobSecret> {
-        let b = bytes.as_ref();
-        if b.is_empty() || b.len() > MAX_SECRET {
-            return Err(Error::Config(format!(
-                "CCL_JOB_SECRET of {} bytes: it must hold 1 to {MAX_SECRET} bytes",
-                b.len()
-            )));
-        }
-        Ok(JobSecret(b.into()))
+/// `HMAC-SHA256(secret, parts...)`.
+fn mac(secret: &JobSecret, parts: &[&[u8]]) -> HmacSha256 {
+    // HMAC takes keys of any length: this cannot fail.
+    let mut m = HmacSha256::new_from_slice(secret.expose()).expect("HMAC accepts any key length");
+    for p in parts {
+        m.update(p);
     }
-
-    /// `HMAC-SHA256(secret, parts...)`.
-    fn mac(&self, parts: &[&[u8]]) -> HmacSha256 {
-        // HMAC takes keys of any length: this cannot fail.
-        let mut m = HmacSha256::new_from_slice(&self.0).expect("HMAC accepts any key length");
-        for p in parts {
-            m.update(p);
-        }
-        m
-    }
-
-    /// A tag that depends on the secret and `label` (to mix the secret into
-    /// identifiers, such as communicator ids, without revealing it).
-    pub fn tag(&self, label: &[u8]) -> [u8; MAC_LEN] {
-        self.mac(&[b"ccl-tag-v1 ", label])
-            .finalize()
-            .into_bytes()
-            .into()
-    }
+    m
 }
 
-impl fmt::Debug for JobSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "JobSecret(<{} bytes, redacted>)", self.0.len())
-    }
+/// A tag that depends on the secret and `label` (to mix the secret into
+/// identifiers, such as communicator ids, without revealing it).
+pub fn tag(secret: &JobSecret, label: &[u8]) -> [u8; MAC_LEN] {
+    mac(secret, &[b"ccl-tag-v1 ", label])
+        .finalize()
+        .into_bytes()
+        .into()
 }
-
-impl PartialEq for JobSecret {
-    /// Constant time in the contents (for secrets of equal length).
-    fn eq(&self, other: &JobSecret) -> bool {
-        self.0.len() == other.0.len()
-            && self
-                .0
-                .iter()
-                .zip(other.0.iter())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
-    }
-}
-
-impl Eq for JobSecret {}
 
 /// Logs, once per process, that connections are not authenticated.
 pub fn warn_unauthenticated() {
@@ -388,15 +347,19 @@ impl Acceptor {
         }
         .encode();
         let len = length_prefixed(&self.context);
-        secret
-            .mac(&[CONNECTOR_LABEL, &len, &self.context, &self.nonce, &r.nonce])
-            .verify_slice(&r.mac)
-            .map_err(|_| (AuthError::WrongSecret, Some(refuse)))?;
-        let mac = secret
-            .mac(&[ACCEPTOR_LABEL, &len, &self.context, &r.nonce, &self.nonce])
-            .finalize()
-            .into_bytes()
-            .into();
+        mac(
+            secret,
+            &[CONNECTOR_LABEL, &len, &self.context, &self.nonce, &r.nonce],
+        )
+        .verify_slice(&r.mac)
+        .map_err(|_| (AuthError::WrongSecret, Some(refuse)))?;
+        let mac = mac(
+            secret,
+            &[ACCEPTOR_LABEL, &len, &self.context, &r.nonce, &self.nonce],
+        )
+        .finalize()
+        .into_bytes()
+        .into();
         Ok(Proof {
             accepted: true,
             mac,
@@ -456,18 +419,20 @@ pub fn answer(
         (Some(secret), true) => {
             let nc = nonce().map_err(|e| AuthError::Malformed(e.to_string()))?;
             let len = length_prefixed(context);
-            let mac = secret
-                .mac(&[CONNECTOR_LABEL, &len, context, &c.nonce, &nc])
+            let response_mac = mac(secret, &[CONNECTOR_LABEL, &len, context, &c.nonce, &nc])
                 .finalize()
                 .into_bytes()
                 .into();
-            let expected = secret
-                .mac(&[ACCEPTOR_LABEL, &len, context, &nc, &c.nonce])
+            let expected = mac(secret, &[ACCEPTOR_LABEL, &len, context, &nc, &c.nonce])
                 .finalize()
                 .into_bytes()
                 .into();
             Ok(Answer::Respond {
-                response: Response { mac, nonce: nc }.encode(),
+                response: Response {
+                    mac: response_mac,
+                    nonce: nc,
+                }
+                .encode(),
                 pending: Pending { expected },
             })
         }
@@ -592,8 +557,8 @@ mod tests {
         let s = secret("top secret");
         assert!(!format!("{s:?}").contains("top"));
         assert!(JobSecret::new("").is_err());
-        assert!(JobSecret::new(vec![1u8; MAX_SECRET + 1]).is_err());
-        assert_ne!(s.tag(b"x"), secret("other").tag(b"x"));
+        assert!(JobSecret::new(vec![1u8; ccl_core::secret::MAX_SECRET + 1]).is_err());
+        assert_ne!(tag(&s, b"x"), tag(&secret("other"), b"x"));
         assert_eq!(s, secret("top secret"));
     }
 }

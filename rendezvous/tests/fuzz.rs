@@ -1,19 +1,20 @@
-//! Every decoder of bytes from the wire, fed arbitrary and mutated bytes: it
+//! Every decoder of bytes from the wire (ccl-core's frames, this crate's
+//! authentication and store messages), fed arbitrary and mutated bytes: it
 //! must answer with an error or a value, never panic, and never allocate
 //! more than the bytes it was given justify. Then the regression corpus in
 //! `tests/fuzz-corpus/<decoder>/` is replayed: files named `ok-*` must
 //! decode, files named `err-*` must be rejected.
 //!
 //! `PROPTEST_CASES` sets the number of cases of each property (default 2048
-//! here); `cargo test --release -p ccl-core --test fuzz` with a large value
+//! here); `cargo test --release -p ccl-rendezvous --test fuzz` with a large value
 //! is the local fuzzing run.
 
 use std::path::Path;
 
-use ccl_core::{
+use ccl_core::{AbortNotice, CollectiveKind, DataType, Fingerprint, FrameHeader, ReduceOp};
+use ccl_rendezvous::{
     auth::{self, Acceptor, Answer, Challenge, JobSecret, Proof, Response},
     store::tcp_fuzz,
-    AbortNotice, CollectiveKind, DataType, Fingerprint, FrameHeader, ReduceOp,
 };
 use proptest::prelude::*;
 
@@ -150,7 +151,7 @@ fn feed_all(bytes: &[u8]) {
             let _ = pending.verify(bytes);
         }
     }
-    let _ = ccl_core::store::tcp_fuzz::request(bytes);
+    let _ = tcp_fuzz::request(bytes);
 }
 
 /// A mutation of a seed: flip, overwrite, truncate, extend.

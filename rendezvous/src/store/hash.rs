@@ -8,7 +8,7 @@ use std::{
 };
 
 use super::Store;
-use crate::{Error, Result};
+use ccl_core::{Error, Result};
 
 /// A store held in this process's memory.
 #[derive(Default)]

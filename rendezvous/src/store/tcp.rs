@@ -44,10 +44,8 @@ use std::{
 };
 
 use super::{hash::parse_counter, Store};
-use crate::{
-    auth::{self, Acceptor, Answer, JobSecret},
-    Error, Result,
-};
+use crate::auth::{self, Acceptor, Answer};
+use ccl_core::{Error, JobSecret, Result};
 
 /// First four bytes each side sends.
 const MAGIC: [u8; 4] = *b"CCLs";

@@ -10,10 +10,9 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use crate::{Error, Result};
+use ccl_core::{Error, Result};
 
-/// Default deadline of every wait (collectives, connects, store calls).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+pub use ccl_core::DEFAULT_TIMEOUT;
 
 /// Which launcher convention the rank and world size were read from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +77,7 @@ pub struct Config {
     pub host_id: Option<String>,
     /// `CCL_JOB_SECRET`: the job's shared secret; every store and link
     /// connection proves it (HMAC challenge-response). `None`: unauthenticated.
-    pub job_secret: Option<crate::JobSecret>,
+    pub job_secret: Option<ccl_core::JobSecret>,
     /// `CCL_DEBUG_CHECKS=1`: before every collective, ranks exchange their
     /// calls' arguments and fail with a mismatch if they differ.
     pub debug_checks: bool,
@@ -266,7 +265,7 @@ impl Config {
             host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
             job_secret: var("CCL_JOB_SECRET")
                 .filter(|s| !s.is_empty())
-                .map(crate::JobSecret::new)
+                .map(ccl_core::JobSecret::new)
                 .transpose()?,
             debug_checks: flag(var("CCL_DEBUG_CHECKS"), "CCL_DEBUG_CHECKS", false)?,
         })
@@ -367,7 +366,10 @@ mod tests {
         assert_eq!(c.timeout, DEFAULT_TIMEOUT);
         assert_eq!(c.job_secret, None);
         let c = cfg(&[("CCL_JOB_SECRET", "s3cret")]).unwrap();
-        assert_eq!(c.job_secret, Some(crate::JobSecret::new("s3cret").unwrap()));
+        assert_eq!(
+            c.job_secret,
+            Some(ccl_core::JobSecret::new("s3cret").unwrap())
+        );
         assert!(!format!("{c:?}").contains("s3cret"));
         assert_eq!(cfg(&[("CCL_JOB_SECRET", "")]).unwrap().job_secret, None);
         let c = cfg(&[("CCL_DEBUG_CHECKS", "1"), ("CCL_SHM_CMA", "0")]).unwrap();
