@@ -182,3 +182,21 @@ pub fn barrier(rank: usize, n: usize) -> Schedule {
     }
     b.finish()
 }
+
+/// A point-to-point transfer of `count` elements: the input to `peer`
+/// (`send`), or from `peer` into the output.
+pub fn transfer(peer: usize, count: usize, send: bool) -> Schedule {
+    let mut b = Builder::new();
+    b.push(if send {
+        Action::Send {
+            peer,
+            src: Region::new(BufId::Input, 0, count),
+        }
+    } else {
+        Action::Recv {
+            peer,
+            dst: Region::new(BufId::Output, 0, count),
+        }
+    });
+    b.finish()
+}

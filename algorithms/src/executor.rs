@@ -13,7 +13,6 @@
 use std::{
     collections::BTreeMap,
     future::{poll_fn, Future},
-    marker::PhantomData,
     pin::pin,
     sync::{
         atomic::{AtomicBool, Ordering},
@@ -24,8 +23,8 @@ use std::{
 };
 
 use ccl_core::{
-    op, repolling, AlignedBuf, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp,
-    Reduction, Result,
+    BufMut, BufRef, Call, Error, FrameHeader, Kernels, Link, MemoryKind, Reduction, Repoll, Result,
+    Scratch,
 };
 use futures::{
     future::{select, Either},
@@ -35,124 +34,33 @@ use futures::{
 /// How long sends already writing may go on after another op failed.
 pub const SEND_DRAIN: Duration = Duration::from_secs(1);
 
-use crate::schedule::{Action, BufId, Region, Schedule};
+use crate::{
+    schedule::{Action, BufId, Region, Schedule},
+    IoBuffers,
+};
 
-/// The identity of a call: what goes into every frame header.
-#[derive(Clone, Copy, Debug)]
-pub struct Call {
-    /// Communicator id.
-    pub comm: u64,
-    /// Sequence number of the call on the communicator.
-    pub seq: u64,
-    pub fingerprint: Fingerprint,
-    pub rank: usize,
-    pub world_size: usize,
-    pub op: ReduceOp,
-}
-
-impl Call {
-    fn dtype(&self) -> DataType {
-        self.fingerprint.dtype
-    }
-
-    /// The call as error messages name it.
-    pub fn name(&self) -> String {
-        FrameHeader::data(self.comm, self.seq, 0, 0, self.fingerprint).call_name()
-    }
-}
-
-/// The caller's input and output memory for one execution.
-///
-/// Input and output are disjoint, the same memory, or, for in-place calls
-/// whose input and output differ in size, one lies inside the other at the
-/// block the collective defines (this rank's block of an allgather output, of
-/// a reduce-scatter input, of a gather/scatter root buffer). Schedules copy or
-/// reduce a region onto itself by skipping the copy or the second operand.
-pub struct IoBuffers<'a> {
-    input: *const u8,
-    input_len: usize,
-    output: *mut u8,
-    output_len: usize,
-    _borrow: PhantomData<&'a mut [u8]>,
-}
-
-// SAFETY: IoBuffers is a pair of byte regions handed to one execution at a
-// time; sending it to another thread is as safe as sending the borrows.
-unsafe impl Send for IoBuffers<'_> {}
-unsafe impl Sync for IoBuffers<'_> {}
-
-impl<'a> IoBuffers<'a> {
-    /// One buffer that is both input and output.
-    pub fn in_place(buf: &'a mut [u8]) -> IoBuffers<'a> {
-        IoBuffers {
-            input: buf.as_ptr(),
-            input_len: buf.len(),
-            output: buf.as_mut_ptr(),
-            output_len: buf.len(),
-            _borrow: PhantomData,
-        }
-    }
-
-    /// Separate input and output.
-    pub fn separate(input: &'a [u8], output: &'a mut [u8]) -> IoBuffers<'a> {
-        IoBuffers {
-            input: input.as_ptr(),
-            input_len: input.len(),
-            output: output.as_mut_ptr(),
-            output_len: output.len(),
-            _borrow: PhantomData,
-        }
-    }
-
-    /// Buffers from raw parts.
-    ///
-    /// # Safety
-    /// Both regions must stay valid, and be touched by nobody else, until the
-    /// execution that receives them has finished or been dropped. They must
-    /// overlap only as described on [`IoBuffers`].
-    pub unsafe fn from_raw(
-        input: *const u8,
-        input_len: usize,
-        output: *mut u8,
-        output_len: usize,
-    ) -> IoBuffers<'static> {
-        IoBuffers {
-            input,
-            input_len,
-            output,
-            output_len,
-            _borrow: PhantomData,
-        }
-    }
-}
-
-impl IoBuffers<'_> {
-    /// The input (address and length) and the output (address and length),
-    /// for code that runs a call without a schedule.
-    pub fn raw_parts(&self) -> ((*const u8, usize), (*mut u8, usize)) {
-        ((self.input, self.input_len), (self.output, self.output_len))
-    }
-}
-
-/// Resolved memory of an execution: input, output and scratch.
-struct Memory<'a> {
-    io: IoBuffers<'a>,
-    scratch: *mut u8,
-    scratch_len: usize,
+/// Resolved memory of an execution: input, output and scratch, all of one
+/// kind, and the kernels for it.
+struct Memory {
+    input: (*mut u8, usize),
+    output: (*mut u8, usize),
+    scratch: (*mut u8, usize),
+    kind: MemoryKind,
+    kernels: &'static dyn Kernels,
     elem: usize,
 }
 
 // SAFETY: the raw pointers are only dereferenced for regions that the schedule's
 // dependencies keep from being written while anything else touches them.
-unsafe impl Send for Memory<'_> {}
-unsafe impl Sync for Memory<'_> {}
+unsafe impl Send for Memory {}
+unsafe impl Sync for Memory {}
 
-impl Memory<'_> {
+impl Memory {
     fn base(&self, buf: BufId) -> (*mut u8, usize) {
         match buf {
-            BufId::Input => (self.io.input as *mut u8, self.io.input_len),
-            BufId::Output => (self.io.output, self.io.output_len),
-            BufId::Scratch => (self.scratch, self.scratch_len),
+            BufId::Input => self.input,
+            BufId::Output => self.output,
+            BufId::Scratch => self.scratch,
         }
     }
 
@@ -167,27 +75,19 @@ impl Memory<'_> {
     }
 
     fn ptr(&self, r: &Region) -> *mut u8 {
-        // SAFETY: checked against the buffer length before execution starts.
-        unsafe { self.base(r.buf).0.add(r.offset * self.elem) }
+        self.base(r.buf).0.wrapping_add(r.offset * self.elem)
     }
 
     /// # Safety
     /// No op that writes an overlapping region runs at the same time (the schedule's dependencies).
-    unsafe fn slice(&self, r: &Region) -> &[u8] {
-        if r.len == 0 {
-            return &[];
-        }
-        std::slice::from_raw_parts(self.ptr(r), r.len * self.elem)
+    unsafe fn read(&self, r: &Region) -> BufRef<'_> {
+        BufRef::from_raw(self.kind, self.ptr(r), r.len * self.elem)
     }
 
     /// # Safety
     /// No other op touches an overlapping region at the same time (the schedule's dependencies).
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice_mut(&self, r: &Region) -> &mut [u8] {
-        if r.len == 0 {
-            return &mut [];
-        }
-        std::slice::from_raw_parts_mut(self.ptr(r), r.len * self.elem)
+    unsafe fn write(&self, r: &Region) -> BufMut<'_> {
+        BufMut::from_raw(self.kind, self.ptr(r), r.len * self.elem)
     }
 }
 
@@ -195,7 +95,10 @@ struct Exec<'a> {
     schedule: &'a Schedule,
     links: &'a [Option<Arc<dyn Link>>],
     call: &'a Call,
-    mem: Memory<'a>,
+    mem: Memory,
+    /// The task is being repolled ([`Repoll`]): ops that finish need not
+    /// wake it, it polls again anyway.
+    repolling: AtomicBool,
     done: Vec<AtomicBool>,
     /// The task that runs every queue (all queues run in one task, so one
     /// waker is enough), woken when an op finishes or fails.
@@ -237,10 +140,10 @@ impl Exec<'_> {
         .await
     }
 
-    /// Lets waiting queues look again. A thread that polls again at once
-    /// anyway ([`repolling`]) needs no wake-up, which would cost system calls.
+    /// Lets waiting queues look again. A task that is polled again at once
+    /// anyway ([`Repoll`]) needs no wake-up, which would cost system calls.
     fn notify(&self) {
-        if !repolling() {
+        if !self.repolling.load(Ordering::Relaxed) {
             self.progress.wake();
         }
     }
@@ -272,13 +175,7 @@ impl Exec<'_> {
     }
 
     fn header(&self, step: u32, len: usize) -> FrameHeader {
-        FrameHeader::data(
-            self.call.comm,
-            self.call.seq,
-            step,
-            len,
-            self.call.fingerprint,
-        )
+        self.call.header(step, len)
     }
 
     async fn run_queue(&self, ops: &[usize]) {
@@ -302,59 +199,59 @@ impl Exec<'_> {
 
     /// Runs one op; `Ok` also when a failure elsewhere cancelled it.
     async fn run_op(&self, op: &crate::schedule::Op, step: u32) -> Result<()> {
-        {
-            // SAFETY (all slices below): the dependencies just awaited order
-            // this op after every op that conflicts with its regions.
-            match op.action {
-                Action::Send { peer, src } => {
-                    let data = unsafe { self.mem.slice(&src) };
-                    self.link(peer)?
-                        .send(self.header(step, data.len()), data)
-                        .await?;
-                }
-                Action::Recv { peer, dst } => {
-                    let into = unsafe { self.mem.slice_mut(&dst) };
-                    let link = self.link(peer)?;
-                    self.unless_failed(link.recv(self.header(step, into.len()), into))
-                        .await
-                        .transpose()?;
-                }
-                Action::RecvReduce { peer, dst, local } => {
-                    let local = local.filter(|l| self.mem.ptr(l) != self.mem.ptr(&dst));
-                    let into = unsafe { self.mem.slice_mut(&dst) };
-                    let local = local.map(|l| unsafe { self.mem.slice(&l) });
-                    let reduction = Reduction {
-                        op: self.call.op,
-                        dtype: self.call.dtype(),
-                        local,
-                    };
-                    let link = self.link(peer)?;
-                    self.unless_failed(link.recv_reduce(
-                        self.header(step, into.len()),
-                        into,
-                        reduction,
-                    ))
+        let (coll, mem) = (&self.call.coll, &self.mem);
+        // SAFETY (every region below): the dependencies just awaited order
+        // this op after every op that conflicts with its regions.
+        match op.action {
+            Action::Send { peer, src } => {
+                let data = unsafe { mem.read(&src) };
+                self.link(peer)?
+                    .send(self.header(step, data.len()), data)
+                    .await?;
+            }
+            Action::Recv { peer, dst } => {
+                let into = unsafe { mem.write(&dst) };
+                let header = self.header(step, into.len());
+                let link = self.link(peer)?;
+                self.unless_failed(link.recv(header, into))
                     .await
                     .transpose()?;
+            }
+            Action::RecvReduce { peer, dst, local } => {
+                let local = local.filter(|l| mem.ptr(l) != mem.ptr(&dst));
+                let into = unsafe { mem.write(&dst) };
+                let reduction = Reduction {
+                    op: coll.op,
+                    dtype: coll.dtype,
+                    local: local.map(|l| unsafe { mem.read(&l) }),
+                    kernels: mem.kernels,
+                };
+                let header = self.header(step, into.len());
+                let link = self.link(peer)?;
+                self.unless_failed(link.recv_reduce(header, into, reduction))
+                    .await
+                    .transpose()?;
+            }
+            Action::Copy { src, dst } => {
+                if mem.ptr(&src) != mem.ptr(&dst) {
+                    mem.kernels
+                        .copy(unsafe { mem.write(&dst) }, unsafe { mem.read(&src) })?;
                 }
-                Action::Copy { src, dst } => {
-                    if self.mem.ptr(&src) != self.mem.ptr(&dst) {
-                        let from = unsafe { self.mem.slice(&src) };
-                        unsafe { self.mem.slice_mut(&dst) }.copy_from_slice(from);
-                    }
-                }
-                Action::Finalize { dst } => {
-                    let buf = unsafe { self.mem.slice_mut(&dst) };
-                    op::finalize(self.call.op, self.call.dtype(), buf, self.call.world_size)?;
-                }
+            }
+            Action::Finalize { dst } => {
+                let buf = unsafe { mem.write(&dst) };
+                mem.kernels
+                    .finalize(coll.op, coll.dtype, buf, self.call.world_size)?;
             }
         }
         Ok(())
     }
 }
 
-/// Runs `schedule` over `links` (indexed by rank; `None` for this rank) on `io`,
-/// using `scratch` (grown as needed) for temporary data.
+/// Runs `schedule` over `links` (indexed by rank; `None` for this rank) on
+/// `io`, using `scratch` (replaced by larger scratch of the buffers' kind as
+/// needed) for temporary data. Past `deadline`, fails with [`Error::Timeout`]
+/// naming the ranks this rank still waited for (to send data, or to take it).
 ///
 /// Errors name the call. Dropping the returned future stops the execution;
 /// the links may then be mid-message, so the caller must not reuse them.
@@ -363,38 +260,27 @@ pub async fn execute(
     io: IoBuffers<'_>,
     links: &[Option<Arc<dyn Link>>],
     call: &Call,
-    scratch: &mut AlignedBuf,
-) -> Result<()> {
-    execute_within(schedule, io, links, call, scratch, None).await
-}
-
-/// [`execute`] under a deadline: past it, fails with [`Error::Timeout`]
-/// naming the ranks this rank still waited for (to send data, or to take it).
-pub async fn execute_within(
-    schedule: &Schedule,
-    io: IoBuffers<'_>,
-    links: &[Option<Arc<dyn Link>>],
-    call: &Call,
-    scratch: &mut AlignedBuf,
+    scratch: &mut Option<Scratch>,
     deadline: Option<Duration>,
 ) -> Result<()> {
-    run(schedule, io, links, call, scratch, deadline).await
-}
-
-async fn run(
-    schedule: &Schedule,
-    io: IoBuffers<'_>,
-    links: &[Option<Arc<dyn Link>>],
-    call: &Call,
-    scratch: &mut AlignedBuf,
-    deadline: Option<Duration>,
-) -> Result<()> {
-    let elem = call.dtype().size();
-    scratch.reserve_len(schedule.scratch_elems * elem);
+    let elem = call.coll.dtype.size();
+    let kernels = io.kernels();
+    let need = schedule.scratch_elems * elem;
+    let fits = |s: &Scratch| s.len() >= need && s.kind() == kernels.kind();
+    if !scratch.as_ref().is_some_and(fits) {
+        *scratch = Some(kernels.alloc(need)?);
+    }
+    let Some(scratch) = scratch.as_mut() else {
+        return Err(Error::Internal("no scratch memory".into()));
+    };
+    let mut scratch_buf = scratch.buf_mut();
+    let (input, output) = io.contiguous()?;
     let mem = Memory {
-        io,
-        scratch: scratch.as_mut_slice().as_mut_ptr(),
-        scratch_len: scratch.len(),
+        input,
+        output,
+        scratch: (scratch_buf.as_mut_ptr(), scratch_buf.len()),
+        kind: kernels.kind(),
+        kernels,
         elem,
     };
     let mut queues: BTreeMap<Queue, Vec<usize>> = BTreeMap::new();
@@ -428,6 +314,7 @@ async fn run(
         done: (0..schedule.ops.len())
             .map(|_| AtomicBool::new(false))
             .collect(),
+        repolling: AtomicBool::new(false),
         progress: AtomicWaker::new(),
         failure: Mutex::new(None),
         failed: AtomicBool::new(false),
@@ -440,6 +327,7 @@ async fn run(
         .map(|q| Some(Box::pin(exec.run_queue(q))))
         .collect();
     let all = poll_fn(|cx| {
+        exec.repolling.store(Repoll::is(cx), Ordering::Relaxed);
         let mut pending = false;
         for slot in running.iter_mut() {
             if let Some(queue) = slot {

@@ -64,6 +64,68 @@ pub enum Error {
     /// A bug in ccl: please report it.
     #[error("internal error: {0}")]
     Internal(String),
+    /// Something this build or this machine cannot do (memory of a kind no
+    /// built-in transport handles, say).
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+/// A stable number for each kind of [`Error`], for callers that cannot hold
+/// the error itself (the C ABI returns it; 0 is left for success). The
+/// values never change; new kinds get new numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(i32)]
+pub enum ErrorCode {
+    InvalidArgument = 1,
+    Timeout = 2,
+    PeerLost = 3,
+    Mismatch = 4,
+    Protocol = 5,
+    Store = 6,
+    Config = 7,
+    Io = 8,
+    Broken = 9,
+    Internal = 10,
+    Unsupported = 11,
+}
+
+impl ErrorCode {
+    /// Every code, in numeric order.
+    pub const ALL: [ErrorCode; 11] = [
+        ErrorCode::InvalidArgument,
+        ErrorCode::Timeout,
+        ErrorCode::PeerLost,
+        ErrorCode::Mismatch,
+        ErrorCode::Protocol,
+        ErrorCode::Store,
+        ErrorCode::Config,
+        ErrorCode::Io,
+        ErrorCode::Broken,
+        ErrorCode::Internal,
+        ErrorCode::Unsupported,
+    ];
+
+    /// The code with this number, if any.
+    pub fn from_i32(code: i32) -> Option<ErrorCode> {
+        ErrorCode::ALL.into_iter().find(|c| *c as i32 == code)
+    }
+
+    /// A short description ("invalid argument", "peer lost", ...).
+    pub const fn describe(self) -> &'static str {
+        match self {
+            ErrorCode::InvalidArgument => "invalid argument",
+            ErrorCode::Timeout => "timed out",
+            ErrorCode::PeerLost => "peer lost",
+            ErrorCode::Mismatch => "mismatched calls across ranks",
+            ErrorCode::Protocol => "protocol error",
+            ErrorCode::Store => "rendezvous store error",
+            ErrorCode::Config => "configuration error",
+            ErrorCode::Io => "operating-system error",
+            ErrorCode::Broken => "communicator broken by an earlier error",
+            ErrorCode::Internal => "internal error",
+            ErrorCode::Unsupported => "unsupported",
+        }
+    }
 }
 
 impl Error {
@@ -92,6 +154,23 @@ impl Error {
         self
     }
 
+    /// The stable number of this kind of error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            Error::InvalidArgument(_) => ErrorCode::InvalidArgument,
+            Error::Timeout { .. } => ErrorCode::Timeout,
+            Error::PeerLost { .. } => ErrorCode::PeerLost,
+            Error::Mismatch { .. } => ErrorCode::Mismatch,
+            Error::Protocol { .. } => ErrorCode::Protocol,
+            Error::Store { .. } => ErrorCode::Store,
+            Error::Config(_) => ErrorCode::Config,
+            Error::Io { .. } => ErrorCode::Io,
+            Error::Broken { .. } => ErrorCode::Broken,
+            Error::Internal(_) => ErrorCode::Internal,
+            Error::Unsupported(_) => ErrorCode::Unsupported,
+        }
+    }
+
     /// The rank this error blames, when it blames one.
     pub fn failed_rank(&self) -> Option<usize> {
         match self {
@@ -100,5 +179,28 @@ impl Error {
             | Error::Mismatch { peer, .. } => Some(*peer),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The numbers are part of the C ABI: they must never change.
+    #[test]
+    fn codes_are_stable() {
+        let numbers: Vec<i32> = ErrorCode::ALL.iter().map(|c| *c as i32).collect();
+        assert_eq!(numbers, (1..=11).collect::<Vec<i32>>());
+        assert_eq!(ErrorCode::from_i32(3), Some(ErrorCode::PeerLost));
+        assert_eq!(ErrorCode::from_i32(0), None);
+        assert_eq!(
+            Error::Broken {
+                rank: 0,
+                cause: String::new()
+            }
+            .code() as i32,
+            9
+        );
+        assert_eq!(Error::Unsupported(String::new()).code() as i32, 11);
     }
 }

@@ -1,29 +1,46 @@
 //! ccl-core: the vocabulary shared by every ccl crate.
 //!
-//! Data types and reduction kernels ([`DataType`], [`Element`], [`ReduceOp`],
-//! [`op`]), the wire frame ([`FrameHeader`]), the [`Link`] trait transports
-//! implement, the [`Work`] handle, the rendezvous [`Store`] trait, the
+//! Data types and reduction ops ([`DataType`], [`Element`], [`ReduceOp`]) and
+//! the host [`kernels`]; memory that knows where it lives ([`BufRef`],
+//! [`BufMut`], [`MemoryKind`]) and the [`Kernels`] each kind brings; one
+//! call untyped ([`Collective`], [`Call`]); the wire frame ([`FrameHeader`]);
+//! the [`Link`] and [`Transport`] traits transports implement and the
+//! [`GroupMemory`] some of them offer; the [`Work`] handle; how waiting
+//! threads poll ([`Spin`], [`Repoll`]); the rendezvous [`Store`] trait; the
 //! [`JobSecret`] and [`Error`]. It depends on no other ccl crate.
 
 mod buf;
+mod call;
 mod dtype;
 mod error;
 pub mod frame;
+mod group;
+pub mod kernels;
 mod link;
+mod memory;
 pub mod op;
+mod repoll;
 pub mod secret;
+mod spin;
 mod store;
+mod transport;
 mod work;
 
 pub use buf::AlignedBuf;
+pub use call::{Call, Collective};
 pub use dtype::{DataType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorCode, Result};
 pub use frame::{AbortNotice, CollectiveKind, Fingerprint, FrameHeader, FrameKind};
-pub use link::{allowed_cpus, poll_repolling, repolling, Link, LinkFuture, Reduction, Spin};
+pub use group::{Deadline, GroupMemory};
+pub use link::{Link, LinkFuture, Reduction};
+pub use memory::{BufMut, BufRef, HostKernels, Kernels, MemoryKind, Scratch, HOST_KERNELS};
 pub use op::ReduceOp;
+pub use repoll::Repoll;
 pub use secret::JobSecret;
+pub use spin::{allowed_cpus, Spin};
 pub use store::Store;
-pub use work::{work_pair, Completer, Work};
+pub use transport::{Connector, LinkClass, PairResult, PeerInfo, Setup, Transport};
+pub use work::{work_pair, Completer, Event, Work};
 
 pub use half::{bf16, f16};
 

@@ -1,4 +1,9 @@
 //! `Work`: the handle every asynchronous call returns.
+//!
+//! A `Work` completes on a host thread (its [`Completer`]), and may in
+//! addition wait for an [`Event`]: something that happens outside the host
+//! threads, such as a CUDA event recorded on a stream after the call's
+//! device work. Then it is complete once both have happened.
 
 use std::{
     future::Future,
@@ -32,6 +37,17 @@ impl<T> Shared<T> {
     }
 }
 
+/// Something that happens outside the host threads, which a [`Work`] can
+/// wait for: a CUDA event on a stream, say.
+pub trait Event: Send + Sync {
+    /// Whether it has happened; an error if what it stands for failed.
+    fn query(&self) -> Result<bool>;
+
+    /// Blocks until it happens (`Ok(true)`) or `timeout` passes (`Ok(false)`;
+    /// `None`: no limit).
+    fn synchronize(&self, timeout: Option<Duration>) -> Result<bool>;
+}
+
 /// The result of an operation that runs in the background.
 ///
 /// Await it, or call [`Work::wait`] / [`Work::wait_timeout`] from synchronous
@@ -39,6 +55,10 @@ impl<T> Shared<T> {
 #[must_use = "a Work does nothing unless waited on; its result carries errors"]
 pub struct Work<T> {
     shared: Arc<Shared<T>>,
+    /// Must have happened too before the result is handed out.
+    event: Option<Arc<dyn Event>>,
+    /// While awaited: the thread that waits for the event wakes this task.
+    event_waiter: Option<Arc<Mutex<Option<Waker>>>>,
 }
 
 /// The producing side of a [`Work`]: completes it exactly once.
@@ -63,6 +83,8 @@ pub fn work_pair<T>() -> (Work<T>, Completer<T>) {
     (
         Work {
             shared: shared.clone(),
+            event: None,
+            event_waiter: None,
         },
         Completer {
             shared: Some(shared),
@@ -110,22 +132,39 @@ impl<T> Work<T> {
         w
     }
 
+    /// This `Work`, completing only once `event` has happened too (and
+    /// failing if the event reports a failure).
+    pub fn after(mut self, event: Arc<dyn Event>) -> Work<T> {
+        self.event = Some(event);
+        self
+    }
+
     /// True once the operation finished (successfully or not).
     pub fn is_completed(&self) -> bool {
         self.shared.lock().done
+            && self
+                .event
+                .as_ref()
+                .is_none_or(|e| e.query().unwrap_or(true))
     }
 
     /// Blocks until the operation finishes and returns its result.
     ///
     /// Must not be called from inside an async runtime's worker thread; await instead.
     pub fn wait(self) -> Result<T> {
-        let mut st = self.shared.lock();
-        while !st.done {
-            st.sleepers += 1;
-            st = self.shared.cond.wait(st).unwrap_or_else(|p| p.into_inner());
-            st.sleepers -= 1;
+        let result = {
+            let mut st = self.shared.lock();
+            while !st.done {
+                st.sleepers += 1;
+                st = self.shared.cond.wait(st).unwrap_or_else(|p| p.into_inner());
+                st.sleepers -= 1;
+            }
+            take(&mut st)
+        };
+        match &self.event {
+            Some(event) => event.synchronize(None).and(result),
+            None => result,
         }
-        take(&mut st)
     }
 
     /// Waits at most `timeout`. `None` means the operation is still running:
@@ -147,6 +186,14 @@ impl<T> Work<T> {
                 .0;
             st.sleepers -= 1;
         }
+        if let Some(event) = &self.event {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match event.synchronize(Some(left)) {
+                Ok(false) => return None,
+                Ok(true) => {}
+                Err(e) => return Some(Err(e)),
+            }
+        }
         Some(take(&mut st))
     }
 }
@@ -161,13 +208,39 @@ fn take<T>(st: &mut State<T>) -> Result<T> {
 
 impl<T> Future for Work<T> {
     type Output = Result<T>;
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<T>> {
         let mut st = self.shared.lock();
-        if st.done {
-            Poll::Ready(take(&mut st))
-        } else {
+        if !st.done {
             st.waker = Some(cx.waker().clone());
-            Poll::Pending
+            return Poll::Pending;
+        }
+        drop(st);
+        let Some(event) = self.event.clone() else {
+            return Poll::Ready(take(&mut self.shared.lock()));
+        };
+        match event.query() {
+            Err(e) => return Poll::Ready(Err(e)),
+            Ok(true) => return Poll::Ready(take(&mut self.shared.lock())),
+            Ok(false) => {}
+        }
+        // An event wakes no task: a thread waits for it and wakes this one.
+        if let Some(waiter) = &self.event_waiter {
+            *waiter.lock().unwrap_or_else(|p| p.into_inner()) = Some(cx.waker().clone());
+            return Poll::Pending;
+        }
+        let waiter = Arc::new(Mutex::new(Some(cx.waker().clone())));
+        self.event_waiter = Some(waiter.clone());
+        let spawned = std::thread::Builder::new()
+            .name("ccl-event-wait".into())
+            .spawn(move || {
+                let _ = event.synchronize(None);
+                if let Some(w) = waiter.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    w.wake();
+                }
+            });
+        match spawned {
+            Ok(_) => Poll::Pending,
+            Err(e) => Poll::Ready(Err(Error::io("starting a thread to wait for an event", e))),
         }
     }
 }
@@ -208,6 +281,68 @@ mod tests {
     fn dropped_completer_fails_the_work() {
         let (w, c) = work_pair::<()>();
         drop(c);
+        assert!(matches!(w.wait(), Err(Error::Internal(_))));
+    }
+
+    /// An event set from another thread, or failed.
+    struct Flag(Mutex<Option<Result<()>>>, Condvar);
+
+    impl Flag {
+        fn new() -> Arc<Flag> {
+            Arc::new(Flag(Mutex::new(None), Condvar::new()))
+        }
+        fn set(&self, r: Result<()>) {
+            *self.0.lock().unwrap() = Some(r);
+            self.1.notify_all();
+        }
+    }
+
+    impl Event for Flag {
+        fn query(&self) -> Result<bool> {
+            self.0.lock().unwrap().clone().transpose().map(|r| r.is_some())
+        }
+        fn synchronize(&self, timeout: Option<Duration>) -> Result<bool> {
+            let limit = timeout.unwrap_or(Duration::from_secs(60));
+            let (st, _) = self
+                .1
+                .wait_timeout_while(self.0.lock().unwrap(), limit, |s| s.is_none())
+                .unwrap();
+            st.clone().transpose().map(|r| r.is_some())
+        }
+    }
+
+    #[test]
+    fn a_work_after_an_event_completes_once_both_happened() {
+        let flag = Flag::new();
+        let (w, c) = work_pair::<u32>();
+        let mut w = w.after(flag.clone());
+        c.complete(Ok(5));
+        assert!(!w.is_completed(), "the host part alone is not enough");
+        assert!(w.wait_timeout(Duration::from_millis(5)).is_none());
+        let f = flag.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            f.set(Ok(()));
+        });
+        assert_eq!(w.wait().unwrap(), 5);
+        t.join().unwrap();
+
+        // Awaited: a helper thread waits for the event and wakes the task.
+        let flag = Flag::new();
+        let w = Work::ready(Ok("x")).after(flag.clone());
+        let f = flag.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            f.set(Ok(()));
+        });
+        assert_eq!(futures::executor::block_on(w).unwrap(), "x");
+        t.join().unwrap();
+
+        // A failed event fails the work.
+        let flag = Flag::new();
+        flag.set(Err(Error::Internal("stream failed".into())));
+        let w = Work::ready(Ok(1)).after(flag);
+        assert!(w.is_completed());
         assert!(matches!(w.wait(), Err(Error::Internal(_))));
     }
 

@@ -1,9 +1,9 @@
-//! What to build: a collective call as one rank sees it, and the algorithm
-//! that turns it into a [`Schedule`].
+//! The algorithms: those that build a [`Schedule`] for one rank's part of
+//! a call, and the group algorithms that run on [group memory](crate::group).
 
 use std::fmt;
 
-use ccl_core::CollectiveKind;
+use ccl_core::{Collective, CollectiveKind};
 
 use crate::{chain, dbtree, direct, doubling, halving, ring, schedule::Schedule, tree};
 
@@ -35,15 +35,15 @@ pub enum Algorithm {
     /// Direct: each rank reduces its block from every peer, then sends it to
     /// every peer (allreduce in two steps; suits shared memory).
     Direct,
-    /// Shared-memory board, when every rank runs on one host (every
-    /// collective but send/recv): chunk by chunk, each rank posts its data
-    /// once and reads what it needs from the others'. Not a schedule: the
-    /// facade runs it.
+    /// The board: on group memory (every rank on one host), every
+    /// collective but send/recv, chunk by chunk: each rank posts its data
+    /// once and reads what it needs from the others'. A group algorithm
+    /// ([`crate::group`]), not a schedule.
     Board,
-    /// Direct on the board (allreduce, reduce; every rank on one host):
-    /// chunk by chunk, each rank posts its chunk, reduces its 1/n of it from
-    /// every rank's post, publishes that, and the ranks that want the result
-    /// copy the others' parts. Not a schedule: the facade runs it.
+    /// Direct on the board (allreduce, reduce; group memory): chunk by
+    /// chunk, each rank posts its chunk, reduces its 1/n of it from every
+    /// rank's post, publishes that, and the ranks that want the result copy
+    /// the others' parts. A group algorithm, not a schedule.
     BoardDirect,
 }
 
@@ -109,8 +109,14 @@ impl Algorithm {
         }
     }
 
-    /// Whether this algorithm can run `kind`. The board algorithms also
-    /// need a board (every rank on one host).
+    /// Whether this is a group algorithm, which runs on group memory
+    /// rather than as a schedule over links.
+    pub fn on_group_memory(self) -> bool {
+        matches!(self, Algorithm::Board | Algorithm::BoardDirect)
+    }
+
+    /// Whether this algorithm can run `kind`. The group algorithms also
+    /// need group memory (every rank on one host).
     pub fn implements(self, kind: CollectiveKind) -> bool {
         match self {
             Algorithm::Board => kind != CollectiveKind::SendRecv,
@@ -208,63 +214,26 @@ impl std::str::FromStr for Choice {
     }
 }
 
-/// One rank's view of a collective call.
-///
-/// `count` is per the collective's definition: the buffer length for
-/// allreduce, broadcast and reduce; what each rank contributes for allgather
-/// and gather; what each rank receives for reduce-scatter and scatter; what
-/// each pair exchanges for all-to-all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Spec {
-    pub kind: CollectiveKind,
-    pub rank: usize,
-    pub world_size: usize,
-    pub count: usize,
-    pub root: usize,
-    /// True when the reduction op has a last step (average).
-    pub finalize: bool,
-    /// Largest piece, in elements, that one send or receive moves.
-    pub piece_elems: usize,
-}
-
-impl Spec {
-    /// Elements of (input, output) this rank passes. A rank whose role uses no
-    /// input or output (a broadcast receiver's input, a reduce non-root's
-    /// output) gets 0 there.
-    pub fn buffer_elems(&self) -> (usize, usize) {
-        let (n, c, is_root) = (self.world_size, self.count, self.rank == self.root);
-        let at_root = |x: usize| if is_root { x } else { 0 };
-        match self.kind {
-            CollectiveKind::AllReduce => (c, c),
-            CollectiveKind::Broadcast => (at_root(c), c),
-            CollectiveKind::Reduce => (c, at_root(c)),
-            CollectiveKind::AllGather => (c, n * c),
-            CollectiveKind::ReduceScatter => (n * c, c),
-            CollectiveKind::AllToAll => (n * c, n * c),
-            CollectiveKind::Gather => (c, at_root(n * c)),
-            CollectiveKind::Scatter => (at_root(n * c), c),
-            CollectiveKind::Barrier => (0, 0),
-            CollectiveKind::SendRecv => (c, c),
-        }
-    }
-
-    /// Builds this rank's schedule with `algorithm`.
-    pub fn build(&self, algorithm: Algorithm) -> Result<Schedule, String> {
-        let Spec {
-            kind,
-            rank: r,
-            world_size: n,
-            count: c,
-            root,
-            finalize,
-            piece_elems: p,
-        } = *self;
+impl Algorithm {
+    /// Rank `rank` of `world_size`'s schedule for `coll`, moving at most
+    /// `piece_elems` elements per message. Schedules are in elements: the
+    /// same one serves every element type and op (but whether the op
+    /// finalizes).
+    pub fn schedule(
+        self,
+        coll: &Collective,
+        rank: usize,
+        world_size: usize,
+        piece_elems: usize,
+    ) -> Result<Schedule, String> {
+        let (r, n, c, p, root) = (rank, world_size, coll.count, piece_elems, coll.root);
+        let finalize = coll.finalizes();
         if n == 0 || r >= n || root >= n {
             return Err(format!(
                 "rank {r}, root {root} and world size {n} are inconsistent"
             ));
         }
-        Ok(match (kind, algorithm) {
+        Ok(match (coll.kind, self) {
             (CollectiveKind::AllReduce, Algorithm::Ring) => ring::allreduce(r, n, c, p, finalize),
             (CollectiveKind::AllReduce, Algorithm::RecursiveDoubling) => {
                 doubling::allreduce(r, n, c, p, finalize)
@@ -317,7 +286,7 @@ mod tests {
             assert_eq!(a.name().parse::<Algorithm>(), Ok(a));
             assert_eq!(a.name().to_uppercase().parse::<Algorithm>(), Ok(a));
             assert!(
-                matches!(a, Algorithm::Board | Algorithm::BoardDirect)
+                a.on_group_memory()
                     || CollectiveKind::ALL
                         .into_iter()
                         .any(|k| Algorithm::for_kind(k).contains(&a)),

@@ -1,125 +1,22 @@
-//! Every schedule, run over in-memory links for every world size 1..=16,
-//! checked against results computed directly.
+//! Every schedule, run over in-memory links, and every group algorithm, run
+//! on group memory in the heap, for every world size 1..=16, checked
+//! against results computed directly.
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
+mod mem_group;
+mod mem_links;
 
 use std::{sync::Arc, time::Duration};
 
 use ccl_core::{
-    AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, FrameKind,
-    Link, LinkFuture, ReduceOp, Result,
+    AlignedBuf, Call, Collective, CollectiveKind, DataType, Error, Link, ReduceOp, Result,
+    HOST_KERNELS,
 };
 use futures::future::join_all;
-use tokio::sync::{mpsc, oneshot, Mutex};
 
-use crate::{execute, Algorithm, Call, IoBuffers, Spec};
-
-/// A frame, and on a rendezvous link the sender's wait for it to be taken.
-type Frame = (FrameHeader, Vec<u8>, Option<oneshot::Sender<()>>);
-
-/// A link through memory: one unbounded channel per direction.
-struct MemLink {
-    rank: usize,
-    peer: usize,
-    /// Sends complete only once the peer has received the frame, as on
-    /// shared memory for large messages: a schedule whose receives wait, in a
-    /// cycle, for sends on the same pairs hangs here.
-    rendezvous: bool,
-    tx: mpsc::UnboundedSender<Frame>,
-    rx: Mutex<mpsc::UnboundedReceiver<Frame>>,
-}
-
-impl MemLink {
-    fn lost(&self) -> Error {
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause: "channel closed".into(),
-        }
-    }
-}
-
-impl Link for MemLink {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn peer(&self) -> usize {
-        self.peer
-    }
-    fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
-        Box::pin(async move {
-            assert_eq!(header.len as usize, data.len());
-            let (taken_tx, taken) = if self.rendezvous {
-                let (tx, rx) = oneshot::channel();
-                (Some(tx), Some(rx))
-            } else {
-                (None, None)
-            };
-            self.tx
-                .send((header, data.to_vec(), taken_tx))
-                .map_err(|_| self.lost())?;
-            if let Some(taken) = taken {
-                taken.await.map_err(|_| self.lost())?;
-            }
-            Ok(())
-        })
-    }
-    fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
-        Box::pin(async move {
-            let (h, data, taken) = self
-                .rx
-                .lock()
-                .await
-                .recv()
-                .await
-                .ok_or_else(|| self.lost())?;
-            if h.kind == FrameKind::Abort {
-                return Err(AbortNotice::decode(&data)
-                    .unwrap()
-                    .into_error(self.rank, self.peer));
-            }
-            expect.check_received(&h, self.rank, self.peer)?;
-            into.copy_from_slice(&data);
-            if let Some(taken) = taken {
-                let _ = taken.send(());
-            }
-            Ok(())
-        })
-    }
-    fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
-        Box::pin(async move {
-            let _ = self.tx.send((notice.header(0), notice.encode(), None));
-            Ok(())
-        })
-    }
-}
-
-fn mesh(n: usize, rendezvous: bool) -> Vec<Vec<Option<Arc<dyn Link>>>> {
-    let mut links: Vec<Vec<Option<Arc<dyn Link>>>> =
-        (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-    for a in 0..n {
-        for b in a + 1..n {
-            let (ab_tx, ab_rx) = mpsc::unbounded_channel();
-            let (ba_tx, ba_rx) = mpsc::unbounded_channel();
-            links[a][b] = Some(Arc::new(MemLink {
-                rank: a,
-                peer: b,
-                rendezvous,
-                tx: ab_tx,
-                rx: Mutex::new(ba_rx),
-            }));
-            links[b][a] = Some(Arc::new(MemLink {
-                rank: b,
-                peer: a,
-                rendezvous,
-                tx: ba_tx,
-                rx: Mutex::new(ab_rx),
-            }));
-        }
-    }
-    links
-}
+use crate::{execute, group, Algorithm, IoBuffers};
+use mem_links::mesh;
 
 /// Distinct value that rank r contributes at index i.
 fn val(r: usize, i: usize) -> u64 {
@@ -163,8 +60,77 @@ fn run(
     )
 }
 
-/// Runs one collective on every rank over `links`; returns each rank's output.
-/// A run that has not finished within a minute is a hang, and panics.
+/// Bytes per slot of the in-memory group memory: small, so that the
+/// group algorithms go through many chunks.
+const GROUP_SLOT_BYTES: usize = 256;
+
+/// One rank's memory for a run: input and output at their offsets of one
+/// aligned buffer (the same memory in place).
+struct RankMemory {
+    mem: AlignedBuf,
+    input: (usize, usize),
+    output: (usize, usize),
+}
+
+impl RankMemory {
+    /// Lays out `input` (and room for the output) as `layout` says.
+    fn new(coll: &Collective, rank: usize, n: usize, layout: Layout, input: &[u8]) -> RankMemory {
+        let esz = coll.dtype.size();
+        let (in_elems, out_elems) = coll.buffer_elems(rank, n);
+        assert_eq!(input.len(), in_elems * esz, "{} input length", coll.kind);
+        let total = in_elems.max(out_elems) * esz;
+        // A rank with no input or no output has nothing to share.
+        let layout = if in_elems == 0 || out_elems == 0 {
+            Layout::OutOfPlace
+        } else {
+            layout
+        };
+        let (in_off, out_off) = match (layout, coll.kind) {
+            (Layout::OutOfPlace, _) => (total, 0),
+            // the output is block `rank` of the input
+            (Layout::InPlace, CollectiveKind::ReduceScatter | CollectiveKind::Scatter) => {
+                (0, rank * coll.count * esz)
+            }
+            // the input is block `rank` of the output
+            (Layout::InPlace, CollectiveKind::AllGather | CollectiveKind::Gather) => {
+                (rank * coll.count * esz, 0)
+            }
+            (Layout::InPlace, _) => (0, 0),
+        };
+        let mut mem = AlignedBuf::zeroed(total + in_elems * esz);
+        mem.as_mut_slice()[in_off..in_off + input.len()].copy_from_slice(input);
+        RankMemory {
+            mem,
+            input: (in_off, input.len()),
+            output: (out_off, out_elems * esz),
+        }
+    }
+
+    fn io(&mut self) -> IoBuffers<'_> {
+        let base = self.mem.as_mut_slice().as_mut_ptr();
+        // SAFETY: both regions lie inside `mem`, borrowed for the returned
+        // lifetime, overlapping only as IoBuffers allows.
+        unsafe {
+            IoBuffers::from_raw(
+                base.add(self.input.0),
+                self.input.1,
+                base.add(self.output.0),
+                self.output.1,
+                &HOST_KERNELS,
+            )
+        }
+    }
+
+    fn output(&self) -> Vec<u8> {
+        let (at, len) = self.output;
+        self.mem.as_slice()[at..at + len].to_vec()
+    }
+}
+
+/// Runs one collective on every rank, as a schedule over `links` or, for a
+/// group algorithm, on group memory in the heap with ranks as threads;
+/// returns each rank's output. A run that has not finished within a minute
+/// is a hang, and panics.
 fn run_on(
     links: &[Vec<Option<Arc<dyn Link>>>],
     algorithm: Algorithm,
@@ -178,94 +144,63 @@ fn run_on(
     dtype: DataType,
     inputs: &[Vec<u8>],
 ) -> Vec<Vec<u8>> {
-    let esz = dtype.size();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let all = join_all((0..n).map(|rank| {
-        let links = &links[rank];
-        let input = inputs[rank].clone();
-        async move {
-            let spec = Spec {
-                kind,
-                rank,
-                world_size: n,
-                count,
-                root,
-                finalize: op == ReduceOp::Avg,
-                piece_elems: piece,
-            };
-            let (in_elems, out_elems) = spec.buffer_elems();
-            assert_eq!(input.len(), in_elems * esz, "{kind} input length");
-            let schedule = spec.build(algorithm).unwrap();
-            let fp = Fingerprint::new(kind, dtype, count)
-                .with_op(op)
-                .with_root(root);
-            let call = Call {
-                comm: 7,
-                seq: 1,
-                fingerprint: fp,
-                rank,
-                world_size: n,
-                op,
-            };
-            let mut scratch = AlignedBuf::zeroed(0);
-            // Keep memory aligned: copy into an AlignedBuf large enough for both layouts.
-            let total = in_elems.max(out_elems) * esz;
-            let mut mem = AlignedBuf::zeroed(total + in_elems * esz);
-            let in_place_offset = match kind {
-                CollectiveKind::AllGather | CollectiveKind::Gather => rank * count,
-                _ => 0,
-            };
-            // A rank with no input or no output has nothing to share.
-            let layout = if in_elems == 0 || out_elems == 0 {
-                Layout::OutOfPlace
-            } else {
-                layout
-            };
-            match layout {
-                Layout::OutOfPlace => {
-                    let (out, inp) = mem.as_mut_slice().split_at_mut(total);
-                    inp.copy_from_slice(&input);
-                    let io = IoBuffers::separate(inp, &mut out[..out_elems * esz]);
-                    execute(&schedule, io, links, &call, &mut scratch).await?;
-                    Ok(out[..out_elems * esz].to_vec())
-                }
-                Layout::InPlace => {
-                    let buf = &mut mem.as_mut_slice()[..total];
-                    let (in_off, out_off) = match kind {
-                        // the output is block `rank` of the input
-                        CollectiveKind::ReduceScatter | CollectiveKind::Scatter => {
-                            (0, rank * count * esz)
-                        }
-                        _ => (in_place_offset * esz, 0),
-                    };
-                    buf[in_off..in_off + input.len()].copy_from_slice(&input);
-                    let base = buf.as_mut_ptr();
-                    // SAFETY: both regions lie inside `buf`, which outlives the execution.
-                    let io = unsafe {
-                        IoBuffers::from_raw(
-                            base.add(in_off),
-                            input.len(),
-                            base.add(out_off),
-                            out_elems * esz,
-                        )
-                    };
-                    execute(&schedule, io, links, &call, &mut scratch).await?;
-                    Ok(buf[out_off..out_off + out_elems * esz].to_vec())
-                }
+    let coll = Collective::new(kind, dtype, count).with_op(op).with_root(root);
+    let call = |rank: usize| Call {
+        comm: 7,
+        seq: 1,
+        rank,
+        world_size: n,
+        coll,
+    };
+    let mut memory: Vec<RankMemory> = (0..n)
+        .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
+        .collect();
+    let limit = Duration::from_secs(60);
+    let hang = format!("{kind} {algorithm} n={n} count={count} root={root} hangs");
+    let results: Vec<Result<()>> = if algorithm.on_group_memory() {
+        let members = mem_group::group(n, GROUP_SLOT_BYTES);
+        std::thread::scope(|s| {
+            let running: Vec<_> = members
+                .iter()
+                .zip(memory.iter_mut())
+                .enumerate()
+                .map(|(rank, (member, mem))| {
+                    s.spawn(move || group::run(algorithm, member, &call(rank), &mem.io(), limit))
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|t| t.join().unwrap())
+                .collect::<Vec<Result<()>>>()
+        })
+        .into_iter()
+        .map(|r| match r {
+            Err(Error::Timeout { .. }) => panic!("{hang}"),
+            r => r,
+        })
+        .collect()
+    } else {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let all = join_all(memory.iter_mut().enumerate().map(|(rank, mem)| {
+            let links = &links[rank];
+            async move {
+                let schedule = algorithm.schedule(&coll, rank, n, piece).unwrap();
+                execute(&schedule, mem.io(), links, &call(rank), &mut None, None).await
             }
-        }
-    }));
-    let results: Vec<Result<Vec<u8>>> = rt
-        .block_on(async { tokio::time::timeout(Duration::from_secs(60), all).await })
-        .unwrap_or_else(|_| panic!("{kind} {algorithm} n={n} count={count} root={root} hangs"));
+        }));
+        rt.block_on(async { tokio::time::timeout(limit, all).await })
+            .unwrap_or_else(|_| panic!("{hang}"))
+    };
     results
         .into_iter()
+        .zip(&memory)
         .enumerate()
-        .map(|(r, x)| {
-            x.unwrap_or_else(|e| panic!("{kind} n={n} count={count} root={root} rank {r}: {e}"))
+        .map(|(r, (x, mem))| {
+            x.unwrap_or_else(|e| panic!("{kind} {algorithm} n={n} count={count} root={root} rank {r}: {e}"));
+            mem.output()
         })
         .collect()
 }
@@ -293,8 +228,16 @@ fn piece_for(count: usize) -> usize {
     }
 }
 
+/// Every algorithm of `kind`: its schedules, and the group algorithms.
+fn algorithms_for(kind: CollectiveKind) -> Vec<Algorithm> {
+    Algorithm::ALL
+        .into_iter()
+        .filter(|a| a.implements(kind))
+        .collect()
+}
+
 /// Checks one collective with every algorithm for every world size, count,
-/// root and layout with u64 sum, over plain and rendezvous links.
+/// root and layout with u64 sum, schedules over plain and rendezvous links.
 fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize) -> Vec<u64>) {
     for n in 1..=16 {
         for count in counts(n) {
@@ -306,25 +249,24 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                 _ => vec![0],
             };
             for &root in &roots {
+                let coll = Collective::new(kind, DataType::U64, count).with_root(root);
                 let inputs: Vec<Vec<u8>> = (0..n)
                     .map(|r| {
-                        let spec = Spec {
-                            kind,
-                            rank: r,
-                            world_size: n,
-                            count,
-                            root,
-                            finalize: false,
-                            piece_elems: 1,
-                        };
-                        let len = spec.buffer_elems().0;
+                        let len = coll.buffer_elems(r, n).0;
                         bytes(&(0..len).map(|i| val(r, i)).collect::<Vec<_>>())
                     })
                     .collect();
-                let variants = Algorithm::for_kind(kind).iter().flat_map(|&a| {
+                // Schedules over plain and rendezvous links; group
+                // algorithms on group memory (no links).
+                let variants = algorithms_for(kind).into_iter().flat_map(|a| {
+                    let links: &[bool] = if a.on_group_memory() {
+                        &[false]
+                    } else {
+                        &[false, true]
+                    };
                     [Layout::OutOfPlace, Layout::InPlace]
                         .into_iter()
-                        .flat_map(move |l| [(a, l, false), (a, l, true)])
+                        .flat_map(move |l| links.iter().map(move |&r| (a, l, r)))
                 });
                 for (algorithm, layout, rendezvous) in variants {
                     let outs = run_on(
@@ -429,9 +371,9 @@ fn scatter_all_sizes_and_roots() {
 
 #[test]
 fn barrier_all_sizes() {
-    for n in 1..=16 {
+    for (n, algorithm) in (1..=16).flat_map(|n| algorithms_for(CollectiveKind::Barrier).into_iter().map(move |a| (n, a))) {
         let outs = run(
-            Algorithm::Dissemination,
+            algorithm,
             CollectiveKind::Barrier,
             n,
             0,
@@ -480,7 +422,7 @@ fn every_op_reduces_correctly() {
                 .collect();
             let reducing = [CollectiveKind::AllReduce, CollectiveKind::Reduce]
                 .into_iter()
-                .flat_map(|k| Algorithm::for_kind(k).iter().map(move |&a| (k, a)));
+                .flat_map(|k| algorithms_for(k).into_iter().map(move |a| (k, a)));
             for (kind, algorithm) in reducing {
                 let outs = run(
                     algorithm,
@@ -507,7 +449,7 @@ fn every_op_reduces_correctly() {
                     .to_vec()
                 })
                 .collect();
-            for &algorithm in Algorithm::for_kind(CollectiveKind::ReduceScatter) {
+            for algorithm in algorithms_for(CollectiveKind::ReduceScatter) {
                 let outs = run(
                     algorithm,
                     CollectiveKind::ReduceScatter,
@@ -539,7 +481,7 @@ fn every_op_reduces_correctly() {
                 .to_vec()
             })
             .collect();
-        for &algorithm in Algorithm::for_kind(CollectiveKind::AllReduce) {
+        for algorithm in algorithms_for(CollectiveKind::AllReduce) {
             let outs = run(
                 algorithm,
                 CollectiveKind::AllReduce,
@@ -578,7 +520,7 @@ fn allreduce_results_are_bitwise_identical() {
                 bytemuck::cast_slice(&(0..count).map(|i| x(r, i)).collect::<Vec<f32>>()).to_vec()
             })
             .collect();
-        for &algorithm in Algorithm::for_kind(CollectiveKind::AllReduce) {
+        for algorithm in algorithms_for(CollectiveKind::AllReduce) {
             for op in [ReduceOp::Sum, ReduceOp::Avg] {
                 let outs = run(
                     algorithm,
@@ -632,14 +574,13 @@ fn rendezvous_links_expose_receives_that_wait_for_sends() {
                 let call = Call {
                     comm: 1,
                     seq: 1,
-                    fingerprint: Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, 4),
                     rank,
                     world_size: 2,
-                    op: ReduceOp::Sum,
+                    coll: Collective::new(CollectiveKind::AllReduce, DataType::U64, 4),
                 };
                 let mut buf = AlignedBuf::zeroed(32);
-                let io = IoBuffers::in_place(buf.as_mut_slice());
-                execute(&schedule, io, links, &call, &mut AlignedBuf::zeroed(0)).await
+                let io = IoBuffers::host_in_place(buf.as_mut_slice());
+                execute(&schedule, io, links, &call, &mut None, None).await
             }
         }));
         rt.block_on(async { tokio::time::timeout(Duration::from_millis(300), all).await })
@@ -660,30 +601,19 @@ fn mismatched_calls_are_reported() {
         let links = &links[rank];
         async move {
             let count = 4 + rank;
-            let spec = Spec {
-                kind: CollectiveKind::AllReduce,
-                rank,
-                world_size: 2,
-                count,
-                root: 0,
-                finalize: false,
-                piece_elems: 64,
-            };
-            let schedule = spec.build(Algorithm::Ring).unwrap();
-            let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, count)
-                .with_op(ReduceOp::Sum);
+            let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, count);
+            let schedule = Algorithm::Ring.schedule(&coll, rank, 2, 64).unwrap();
             let call = Call {
                 comm: 1,
                 seq: 3,
-                fingerprint: fp,
                 rank,
                 world_size: 2,
-                op: ReduceOp::Sum,
+                coll,
             };
-            let mut inp = AlignedBuf::zeroed(count * 8);
+            let inp = AlignedBuf::zeroed(count * 8);
             let mut out = AlignedBuf::zeroed(count * 8);
-            let io = IoBuffers::separate(inp.as_mut_slice(), out.as_mut_slice());
-            execute(&schedule, io, links, &call, &mut AlignedBuf::zeroed(0)).await
+            let io = IoBuffers::host(inp.as_slice(), out.as_mut_slice());
+            execute(&schedule, io, links, &call, &mut None, None).await
         }
     })));
     for (rank, r) in outs.into_iter().enumerate() {
@@ -708,23 +638,14 @@ fn mismatched_calls_are_reported() {
 
 #[test]
 fn bad_schedules_are_rejected_before_running() {
-    let spec = Spec {
-        kind: CollectiveKind::AllReduce,
-        rank: 0,
-        world_size: 2,
-        count: 8,
-        root: 0,
-        finalize: false,
-        piece_elems: 64,
-    };
-    let schedule = spec.build(Algorithm::Ring).unwrap();
+    let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, 8);
+    let schedule = Algorithm::Ring.schedule(&coll, 0, 2, 64).unwrap();
     let call = Call {
         comm: 1,
         seq: 1,
-        fingerprint: Fingerprint::new(CollectiveKind::AllReduce, DataType::U64, 8),
         rank: 0,
         world_size: 2,
-        op: ReduceOp::Sum,
+        coll,
     };
     let mut small = vec![0u8; 8];
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -733,13 +654,132 @@ fn bad_schedules_are_rejected_before_running() {
     let e = rt
         .block_on(execute(
             &schedule,
-            IoBuffers::in_place(&mut small),
+            IoBuffers::host_in_place(&mut small),
             &mesh(2, false)[0],
             &call,
-            &mut AlignedBuf::zeroed(0),
+            &mut None,
+            None,
         ))
         .unwrap_err();
     assert!(matches!(e, Error::Internal(_)), "{e}");
-    assert!(Spec { root: 5, ..spec }.build(Algorithm::Ring).is_err());
-    assert!(spec.build(Algorithm::BinomialTree).is_err());
+    assert!(Algorithm::Ring
+        .schedule(&coll.with_root(5), 0, 2, 64)
+        .is_err());
+    assert!(Algorithm::BinomialTree.schedule(&coll, 0, 2, 64).is_err());
+    assert!(Algorithm::Board.schedule(&coll, 0, 2, 64).is_err());
+}
+
+/// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
+/// as threads; returns each rank's result.
+fn on_group<T: Send>(
+    n: usize,
+    each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
+) -> Vec<T> {
+    let members = mem_group::group(n, GROUP_SLOT_BYTES);
+    std::thread::scope(|s| {
+        let each = &each;
+        let running: Vec<_> = members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| s.spawn(move || each(rank, m)))
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// Ranks that make different calls on group memory get a mismatch naming
+/// both calls, whether the calls run there or only announce themselves.
+#[test]
+fn mismatched_calls_on_group_memory_are_reported() {
+    let call = |rank: usize| Call {
+        comm: 1,
+        seq: 4,
+        rank,
+        world_size: 3,
+        coll: Collective::new(CollectiveKind::AllReduce, DataType::F32, 8 + rank),
+    };
+    let ran = on_group(3, |rank, m| {
+        let mut buf = vec![0u8; (8 + rank) * 4];
+        let io = IoBuffers::host_in_place(&mut buf);
+        group::run(Algorithm::Board, m, &call(rank), &io, Duration::from_secs(20))
+    });
+    let announced = on_group(3, |rank, m| {
+        group::announce(m, &call(rank), Duration::from_secs(20))
+    });
+    for results in [ran, announced] {
+        for (rank, r) in results.into_iter().enumerate() {
+            match r {
+                Err(Error::Mismatch { rank: me, ours, .. }) => {
+                    assert_eq!(me, rank);
+                    assert!(ours.contains(&format!("f32×{}", 8 + rank)), "{ours}");
+                }
+                other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+}
+
+/// A rank that gives up marks the memory: ranks waiting for it fail at once,
+/// naming the rank it blamed (or, for the blamed rank, the one that gave up).
+#[test]
+fn an_abort_on_group_memory_ends_the_waits() {
+    let results = on_group(3, |rank, m| {
+        let call = Call {
+            comm: 1,
+            seq: 0,
+            rank,
+            world_size: 3,
+            coll: Collective::new(CollectiveKind::Barrier, DataType::U8, 0),
+        };
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(50));
+            ccl_core::GroupMemory::abort(m, 0);
+            return Ok(());
+        }
+        let io = IoBuffers::host_in_place(&mut []);
+        group::run(Algorithm::Board, m, &call, &io, Duration::from_secs(20))
+    });
+    for (r, blamed) in results[..2].iter().zip([2, 0]) {
+        assert!(
+            matches!(r, Err(Error::PeerLost { peer, ref call, .. }) if *peer == blamed && call.contains("barrier")),
+            "{r:?}"
+        );
+    }
+}
+
+/// Board-direct allreduce in place on several buffers taken end to end (a
+/// bucket's tensors where they lie) reduces them as one buffer.
+#[test]
+fn board_direct_reduces_several_buffers_as_one() {
+    for n in [1, 2, 3, 5] {
+        let sizes = [1usize, 0, 37, 5, 64, 2];
+        let total: usize = sizes.iter().sum();
+        let outs = on_group(n, |rank, m| {
+            let mut bufs: Vec<Vec<u64>> = Vec::new();
+            let mut at = 0;
+            for &len in &sizes {
+                bufs.push((at..at + len).map(|i| val(rank, i)).collect());
+                at += len;
+            }
+            let pieces = bufs
+                .iter_mut()
+                .map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8))
+                .collect();
+            // SAFETY: the vectors outlive the call and nothing else touches them.
+            let io = unsafe { IoBuffers::pieces_in_place(pieces, &HOST_KERNELS) };
+            let call = Call {
+                comm: 1,
+                seq: 0,
+                rank,
+                world_size: n,
+                coll: Collective::new(CollectiveKind::AllReduce, DataType::U64, total),
+            };
+            group::run(Algorithm::BoardDirect, m, &call, &io, Duration::from_secs(20)).unwrap();
+            bufs.concat()
+        });
+        let want: Vec<u64> = (0..total).map(|i| sum_at(n, i)).collect();
+        for (rank, out) in outs.into_iter().enumerate() {
+            assert_eq!(out, want, "n={n} rank {rank}");
+        }
+    }
 }

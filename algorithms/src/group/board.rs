@@ -1,0 +1,411 @@
+//! The board algorithms: every collective on group memory, one post per
+//! rank per chunk, and board-direct allreduce and reduce. They run on the
+//! caller's thread, without the executor or the runtime.
+//!
+//! A call goes in chunks, one board round each, so that a chunk fits a slot.
+//! The data of a call is laid out as blocks of one rank's part: one block
+//! (allreduce, reduce, broadcast: the buffer; allgather, gather: the rank's
+//! part) or n blocks (reduce-scatter, all-to-all, scatter: one per rank).
+//! Chunk `c` covers the same bytes `c·piece..` of every block.
+//!
+//! [`Algorithm::Board`](crate::Algorithm::Board): each rank posts
+//! its chunk once, reads what it needs from the others' posts, and computes
+//! its result locally (a reduction in rank order, so every rank gets the
+//! same bits). Every rank also checks every other rank's header, so that a
+//! rank that made another call is a mismatch, never a silent success.
+//!
+//! [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
+//! (allreduce, reduce): a chunk is cut into n shares. Each rank posts the
+//! shares of the others, reduces its own share (1/n of the elements) from
+//! its input and every other rank's post, publishes the result in a second
+//! phase (in the place of its share, which it did not post), and the ranks
+//! that want the result copy every other rank's share. Each byte is reduced
+//! once on the whole host, by one rank; per rank, (n−1)/n of the buffer is
+//! posted, 1/n reduced and (n−1)/n copied out, with no per-message hand-shake.
+
+use std::time::Duration;
+
+use ccl_core::{kernels, Call, CollectiveKind, Deadline, Error, GroupMemory, MemoryKind, Result};
+
+use super::Round;
+use crate::IoBuffers;
+
+/// One board call: the call and whether it runs as board-direct.
+pub(super) struct BoardCall<'a> {
+    pub call: &'a Call,
+    /// Run as [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
+    /// (allreduce and reduce), not as one post per rank.
+    pub direct: bool,
+}
+
+impl BoardCall<'_> {
+    /// Runs the call on `mem`, reading `io`'s input and writing its output
+    /// (host memory, one buffer each or, for board-direct allreduce in
+    /// place, several taken end to end), within `timeout`.
+    pub(super) fn run(
+        &self,
+        mem: &dyn GroupMemory,
+        io: &IoBuffers<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        if io.kind() != MemoryKind::Host {
+            return Err(Error::Unsupported(format!(
+                "{}: the board reads and writes host memory, and the buffers lie in {}",
+                self.call.name(),
+                io.kind()
+            )));
+        }
+        self.chunks(
+            mem,
+            Pieces(io.input_pieces()),
+            Pieces(io.output_pieces()),
+            timeout,
+        )
+    }
+
+    /// Blocks per rank and bytes per block (see the module docs).
+    fn layout(&self, n: usize) -> (usize, usize) {
+        let coll = &self.call.coll;
+        let part = coll.count * coll.dtype.size();
+        match coll.kind {
+            CollectiveKind::ReduceScatter | CollectiveKind::AllToAll | CollectiveKind::Scatter => {
+                (n, part)
+            }
+            CollectiveKind::Barrier => (1, 0),
+            _ => (1, part),
+        }
+    }
+
+    /// Whether rank `r` posts data (roots alone do for broadcast, scatter).
+    fn posts(&self, r: usize) -> bool {
+        match self.call.coll.kind {
+            CollectiveKind::Broadcast | CollectiveKind::Scatter => r == self.call.coll.root,
+            CollectiveKind::Barrier => false,
+            _ => true,
+        }
+    }
+
+    /// Bytes of input and output this rank needs, for the checks up front.
+    fn needs(&self, me: usize, n: usize) -> (usize, usize) {
+        let (blocks, part) = self.layout(n);
+        let at_root = |x: usize| if me == self.call.coll.root { x } else { 0 };
+        let input = if self.posts(me) { blocks * part } else { 0 };
+        let output = match self.call.coll.kind {
+            CollectiveKind::AllReduce
+            | CollectiveKind::Broadcast
+            | CollectiveKind::ReduceScatter
+            | CollectiveKind::Scatter => part,
+            CollectiveKind::Reduce => at_root(part),
+            CollectiveKind::AllGather | CollectiveKind::AllToAll => n * part,
+            CollectiveKind::Gather => at_root(n * part),
+            CollectiveKind::Barrier | CollectiveKind::SendRecv => 0,
+        };
+        (input, output)
+    }
+
+    fn chunks(
+        &self,
+        mem: &dyn GroupMemory,
+        inputs: Pieces<'_>,
+        outputs: Pieces<'_>,
+        timeout: Duration,
+    ) -> Result<()> {
+        let (call, coll) = (self.call, &self.call.coll);
+        let (n, me) = (call.world_size, call.rank);
+        let es = coll.dtype.size();
+        let direct = self.direct
+            && matches!(
+                coll.kind,
+                CollectiveKind::AllReduce | CollectiveKind::Reduce
+            );
+        if self.direct && !direct {
+            return Err(Error::Internal(format!(
+                "{} cannot run as board-direct",
+                call.name()
+            )));
+        }
+        let (blocks, part) = self.layout(n);
+        let (need_in, need_out) = self.needs(me, n);
+        if inputs.len() < need_in || outputs.len() < need_out {
+            return Err(Error::Internal(format!(
+                "{}: buffers of {} and {} bytes, the board call needs {need_in} and {need_out}",
+                call.name(),
+                inputs.len(),
+                outputs.len()
+            )));
+        }
+        // Only board-direct works on several buffers; the rest want one.
+        let (input, output) = match (inputs.one(), outputs.one()) {
+            (Some(i), Some(o)) => (i, o),
+            _ if direct => (inputs.first(), outputs.first()),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "{} cannot run on several buffers",
+                    call.name()
+                )))
+            }
+        };
+        let in_place = std::ptr::eq(input.0, output.0);
+        // SAFETY (for every slice below): the engine hands this call its
+        // buffers alone. Each chunk of the input is read in full (posted)
+        // before the same chunk of the output, which may be the same memory
+        // (in place), is written, and later chunks of the input are not
+        // written before they are posted: in-place layouts put this rank's
+        // input block where its own output goes.
+        let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
+        let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
+        let piece = (mem.slot_bytes() / blocks / es * es).max(es);
+        // Board-direct reduces into scratch where this rank has no output.
+        let mut scratch = Vec::new();
+        let deadline = Deadline::after(timeout);
+        let mut off = 0;
+        let mut step = u32::from(direct);
+        loop {
+            let len = piece.min(part - off);
+            let posted = |r: usize| if self.posts(r) { blocks * len } else { 0 };
+            let round = Round::begin(mem, call.header(step, 0), &deadline)?;
+            let elems = len / es;
+            // Bytes of rank p's share of a chunk (board-direct).
+            let share = |p: usize| (p * elems / n * es, (p + 1) * elems / n * es);
+            if direct {
+                // The others reduce every share but this rank's own, which
+                // it reduces straight from its input.
+                let (lo, hi) = share(me);
+                let mut parts = Vec::new();
+                for (at, from) in [(0, lo), (hi, len - hi)] {
+                    // SAFETY: see above.
+                    unsafe {
+                        inputs.each(off + at, from, |rel, p, l| {
+                            parts.push((at + rel, slice(p, l)))
+                        })
+                    };
+                }
+                round.post_at(len, &parts)?;
+            } else if self.posts(me) {
+                let parts: Vec<(usize, &[u8])> = (0..blocks)
+                    .map(|b| (b * len, inp(b * part + off, len)))
+                    .collect();
+                round.post_at(blocks * len, &parts)?;
+            } else {
+                round.post(&[])?;
+            }
+            for r in 0..n {
+                round.read(r, posted(r))?;
+            }
+            let is_root = me == coll.root;
+            match coll.kind {
+                CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
+                    let (lo, hi) = share(me);
+                    let wants = coll.kind == CollectiveKind::AllReduce || is_root;
+                    let mut mine: Vec<(usize, &mut [u8])> = Vec::new();
+                    if wants {
+                        // SAFETY: see above.
+                        unsafe {
+                            outputs.each(off + lo, hi - lo, |rel, p, l| {
+                                mine.push((lo + rel, slice_mut(p, l)))
+                            })
+                        };
+                    } else {
+                        scratch.resize(hi - lo, 0);
+                        mine.push((lo, &mut scratch[..]));
+                    }
+                    for (at, out) in &mut mine {
+                        // In place, this rank's share of the output already
+                        // holds its input; else the input lies in one buffer.
+                        let own = (!(wants && in_place)).then(|| inp(off + *at, out.len()));
+                        self.reduce_share(&round, me, n, len, out, own, *at..*at + out.len())?;
+                    }
+                    let results: Vec<(usize, &[u8])> =
+                        mine.iter().map(|(at, out)| (*at, &**out)).collect();
+                    round.post_reduced(&results)?;
+                    if wants {
+                        for p in (0..n).filter(|&p| p != me) {
+                            let (plo, phi) = share(p);
+                            let mut result = Ok(());
+                            // SAFETY: see above.
+                            unsafe {
+                                outputs.each(off + plo, phi - plo, |rel, to, l| {
+                                    if result.is_ok() {
+                                        result = round
+                                            .read_reduced(p, plo + rel, l)
+                                            .map(|theirs| copy(slice_mut(to, l), theirs));
+                                    }
+                                })
+                            };
+                            result?;
+                        }
+                    }
+                }
+                CollectiveKind::AllReduce => {
+                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
+                }
+                CollectiveKind::Reduce if is_root => {
+                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
+                }
+                CollectiveKind::ReduceScatter => {
+                    self.reduce_all(&round, n, n * len, out(off, len), me * len..(me + 1) * len)?
+                }
+                CollectiveKind::Broadcast => copy(out(off, len), round.read(coll.root, len)?),
+                CollectiveKind::Scatter => copy(
+                    out(off, len),
+                    &round.read(coll.root, n * len)?[me * len..(me + 1) * len],
+                ),
+                CollectiveKind::AllGather | CollectiveKind::Gather
+                    if coll.kind == CollectiveKind::AllGather || is_root =>
+                {
+                    for r in 0..n {
+                        copy(out(r * part + off, len), round.read(r, len)?);
+                    }
+                }
+                CollectiveKind::AllToAll => {
+                    for r in 0..n {
+                        let from = round.read(r, n * len)?;
+                        copy(out(r * part + off, len), &from[me * len..(me + 1) * len]);
+                    }
+                }
+                // Non-roots of reduce and gather only post; a barrier only
+                // checks the headers.
+                _ => {}
+            }
+            off += len;
+            step += 1;
+            if off >= part {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Board-direct's reduction of this rank's share: `out = own ⊕ posted_r[range]`
+    /// over the other ranks in rank order (`own`: this rank's input share;
+    /// `None`: `out` holds it already), where every rank posted `len`
+    /// bytes, then the op's last step. Every op is commutative, so the
+    /// reduction may start from this rank's input; one rank alone reduces
+    /// each share, so every rank gets the same bits.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_share(
+        &self,
+        round: &Round<'_>,
+        me: usize,
+        n: usize,
+        len: usize,
+        out: &mut [u8],
+        own: Option<&[u8]>,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let coll = &self.call.coll;
+        let mut others = (0..n).filter(|&r| r != me);
+        match others.next() {
+            None => {
+                if let Some(own) = own {
+                    copy(out, own);
+                }
+            }
+            Some(first) => {
+                let posted = &round.read(first, len)?[range.clone()];
+                kernels::reduce(coll.op, coll.dtype, out, own, posted)?;
+                for r in others {
+                    let posted = &round.read(r, len)?[range.clone()];
+                    kernels::reduce(coll.op, coll.dtype, out, None, posted)?;
+                }
+            }
+        }
+        kernels::finalize(coll.op, coll.dtype, out, n)
+    }
+
+    /// `out = Σ_r posted_r[range]` in rank order, where every rank posted
+    /// `len` bytes, then the op's last step.
+    fn reduce_all(
+        &self,
+        round: &Round<'_>,
+        n: usize,
+        len: usize,
+        out: &mut [u8],
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let coll = &self.call.coll;
+        let first = &round.read(0, len)?[range.clone()];
+        if n == 1 {
+            copy(out, first);
+        } else {
+            let second = &round.read(1, len)?[range.clone()];
+            kernels::reduce(coll.op, coll.dtype, out, Some(first), second)?;
+        }
+        for r in 2..n {
+            kernels::reduce(
+                coll.op,
+                coll.dtype,
+                out,
+                None,
+                &round.read(r, len)?[range.clone()],
+            )?;
+        }
+        kernels::finalize(coll.op, coll.dtype, out, n)
+    }
+}
+
+/// The memory of a board call: buffers taken end to end as one (a single
+/// buffer, or the tensors of a bucket).
+#[derive(Clone, Copy)]
+struct Pieces<'a>(&'a [(*mut u8, usize)]);
+
+impl Pieces<'_> {
+    fn len(&self) -> usize {
+        self.0.iter().map(|&(_, len)| len).sum()
+    }
+
+    /// The one buffer, if there is only one.
+    fn one(&self) -> Option<(*mut u8, usize)> {
+        match self.0 {
+            [one] => Some(*one),
+            _ => None,
+        }
+    }
+
+    /// The first buffer (an empty one if there is none).
+    fn first(&self) -> (*mut u8, usize) {
+        self.0.first().copied().unwrap_or((std::ptr::null_mut(), 0))
+    }
+
+    /// Calls `f(offset from at, address, bytes)` on each piece of bytes
+    /// `at..at + len`.
+    fn each(&self, at: usize, len: usize, mut f: impl FnMut(usize, *mut u8, usize)) {
+        let end = at + len;
+        let mut start = 0;
+        for &(ptr, plen) in self.0 {
+            let (lo, hi) = (start.max(at), (start + plen).min(end));
+            if lo < hi {
+                f(lo - at, ptr.wrapping_add(lo - start), hi - lo);
+            }
+            start += plen;
+            if start >= end {
+                break;
+            }
+        }
+    }
+}
+
+/// Copies unless source and destination are the same memory (in place).
+fn copy(to: &mut [u8], from: &[u8]) {
+    if to.as_ptr() != from.as_ptr() {
+        to.copy_from_slice(from);
+    }
+}
+
+/// # Safety
+/// `ptr` must be valid for reads of `len` bytes for the returned lifetime.
+unsafe fn slice<'a>(ptr: *const u8, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    std::slice::from_raw_parts(ptr, len)
+}
+
+/// # Safety
+/// `ptr` must be valid for writes of `len` bytes, and not otherwise accessed,
+/// for the returned lifetime.
+unsafe fn slice_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    std::slice::from_raw_parts_mut(ptr, len)
+}

@@ -1,0 +1,236 @@
+//! Group memory in this process's heap, for testing the group algorithms
+//! with ranks as threads: two slots per rank, each with a header, a payload
+//! and the numbers of the round it was posted (and its second phase
+//! published) for, as the shared-memory board has them. A waiter sleeps on a
+//! condition variable that every publication notifies.
+
+use std::{
+    cell::UnsafeCell,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        Arc, Condvar, Mutex,
+    },
+    time::{Duration, Instant},
+};
+
+use ccl_core::{Deadline, Error, FrameHeader, GroupMemory, Result};
+
+/// One rank's slot of one parity.
+struct Slot {
+    header: Mutex<Option<FrameHeader>>,
+    payload: UnsafeCell<Vec<u8>>,
+    posted: AtomicU64,
+    reduced: AtomicU64,
+}
+
+struct Shared {
+    n: usize,
+    slot_bytes: usize,
+    /// `slots[rank][round % 2]`.
+    slots: Vec<[Slot; 2]>,
+    /// Rank that aborted, plus one, and whom it blamed.
+    aborted: AtomicUsize,
+    blamed: AtomicUsize,
+    /// Notified on every publication.
+    changed: (Mutex<u64>, Condvar),
+}
+
+// SAFETY: a payload is written only by its owner before it publishes the
+// round (and in the second phase, in ranges nobody reads before that
+// publication), and read only after; a rank starts a round only once every
+// reader finished the round that used the same slot before.
+unsafe impl Sync for Shared {}
+
+/// One rank's handle on group memory in the heap.
+pub(super) struct MemGroup {
+    shared: Arc<Shared>,
+    rank: usize,
+    rounds: AtomicU64,
+    left: AtomicBool,
+}
+
+/// Group memory for `n` ranks with `slot_bytes` per slot: one handle per rank.
+pub(super) fn group(n: usize, slot_bytes: usize) -> Vec<MemGroup> {
+    let slot = || Slot {
+        header: Mutex::new(None),
+        payload: UnsafeCell::new(vec![0; slot_bytes]),
+        posted: AtomicU64::new(0),
+        reduced: AtomicU64::new(0),
+    };
+    let shared = Arc::new(Shared {
+        n,
+        slot_bytes,
+        slots: (0..n).map(|_| [slot(), slot()]).collect(),
+        aborted: AtomicUsize::new(0),
+        blamed: AtomicUsize::new(0),
+        changed: (Mutex::new(0), Condvar::new()),
+    });
+    (0..n)
+        .map(|rank| MemGroup {
+            shared: shared.clone(),
+            rank,
+            rounds: AtomicU64::new(0),
+            left: AtomicBool::new(false),
+        })
+        .collect()
+}
+
+impl MemGroup {
+    fn slot(&self, rank: usize, round: u64) -> &Slot {
+        &self.shared.slots[rank][(round % 2) as usize]
+    }
+
+    fn notify(&self) {
+        let (lock, cond) = &self.shared.changed;
+        *lock.lock().unwrap() += 1;
+        cond.notify_all();
+    }
+
+    /// Waits until `ready()`, which rank `p` makes true.
+    fn wait_for(&self, p: usize, deadline: &Deadline, ready: impl Fn() -> bool) -> Result<()> {
+        let at = deadline.at(Instant::now());
+        let (lock, cond) = &self.shared.changed;
+        loop {
+            let generation = lock.lock().unwrap();
+            if ready() {
+                return Ok(());
+            }
+            let aborted = self.shared.aborted.load(Ordering::Acquire);
+            if aborted == p + 1 {
+                // As the board: name the rank it blamed, unless that is
+                // this rank (or p itself).
+                let blamed = self.shared.blamed.load(Ordering::Acquire);
+                let peer = if blamed == self.rank { p } else { blamed };
+                return Err(Error::PeerLost {
+                    rank: self.rank,
+                    peer,
+                    call: String::new(),
+                    cause: format!("rank {p} aborted"),
+                });
+            }
+            if self.left.load(Ordering::Acquire) {
+                return Err(Error::Broken {
+                    rank: self.rank,
+                    cause: "this rank aborted".into(),
+                });
+            }
+            let left = at.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout {
+                    context: format!("rank {}", self.rank),
+                    what: format!("rank {p} in group memory"),
+                    after: deadline.timeout(),
+                });
+            }
+            let nap = left.min(Duration::from_millis(20));
+            drop(cond.wait_timeout(generation, nap).unwrap());
+        }
+    }
+
+    /// Writes `parts` at their offsets of this rank's payload of `round`.
+    fn write(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
+        let slot = self.slot(self.rank, round);
+        // SAFETY: this rank's own payload, which nobody reads until the
+        // publication that follows (see `Shared`).
+        let payload = unsafe { &mut *slot.payload.get() };
+        for (at, part) in parts {
+            payload
+                .get_mut(*at..at + part.len())
+                .ok_or_else(|| Error::Internal(format!("part at {at} outside the slot")))?
+                .copy_from_slice(part);
+        }
+        Ok(())
+    }
+
+    fn payload(&self, rank: usize, round: u64, at: usize, len: usize) -> Result<&[u8]> {
+        // SAFETY: published for this round, and not written again before
+        // this rank starts its next round (see `Shared`).
+        let payload = unsafe { &*self.slot(rank, round).payload.get() };
+        payload
+            .get(at..at + len)
+            .ok_or_else(|| Error::Internal(format!("bytes {at}..{} outside the slot", at + len)))
+    }
+}
+
+impl GroupMemory for MemGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.shared.slot_bytes
+    }
+
+    fn begin(&self, deadline: &Deadline) -> Result<u64> {
+        let b = self.rounds.load(Ordering::Relaxed) + 1;
+        for p in (0..self.shared.n).filter(|&p| p != self.rank) {
+            let prev = self.slot(p, b - 1);
+            self.wait_for(p, deadline, || prev.posted.load(Ordering::Acquire) >= b - 1)?;
+        }
+        self.rounds.store(b, Ordering::Relaxed);
+        Ok(b)
+    }
+
+    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()> {
+        let len = header.len as usize;
+        if len > self.shared.slot_bytes || parts.iter().any(|(at, p)| at + p.len() > len) {
+            return Err(Error::Internal(format!(
+                "a {len}-byte post does not fit a {}-byte slot",
+                self.shared.slot_bytes
+            )));
+        }
+        self.write(round, parts)?;
+        let slot = self.slot(self.rank, round);
+        *slot.header.lock().unwrap() = Some(*header);
+        slot.posted.store(round, Ordering::Release);
+        self.notify();
+        Ok(())
+    }
+
+    fn read(
+        &self,
+        round: u64,
+        rank: usize,
+        expect: &FrameHeader,
+        deadline: &Deadline,
+    ) -> Result<&[u8]> {
+        let slot = self.slot(rank, round);
+        self.wait_for(rank, deadline, || slot.posted.load(Ordering::Acquire) >= round)?;
+        let got = slot.header.lock().unwrap().expect("posted with a header");
+        expect.check_received(&got, self.rank, rank)?;
+        self.payload(rank, round, 0, expect.len as usize)
+    }
+
+    fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
+        self.write(round, parts)?;
+        self.slot(self.rank, round)
+            .reduced
+            .store(round, Ordering::Release);
+        self.notify();
+        Ok(())
+    }
+
+    fn read_reduced(
+        &self,
+        round: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+        deadline: &Deadline,
+    ) -> Result<&[u8]> {
+        let slot = self.slot(rank, round);
+        self.wait_for(rank, deadline, || slot.reduced.load(Ordering::Acquire) >= round)?;
+        self.payload(rank, round, offset, len)
+    }
+
+    fn abort(&self, blame: usize) {
+        self.shared.blamed.store(blame, Ordering::Release);
+        self.shared.aborted.store(self.rank + 1, Ordering::Release);
+        self.left.store(true, Ordering::Release);
+        self.notify();
+    }
+}

@@ -1,0 +1,125 @@
+//! Group memory: memory every rank of a communicator reads and writes
+//! directly (a shared-memory segment when all of them run on one host), on
+//! which the group algorithms of `ccl-algorithms` run without messages.
+//!
+//! The memory is a series of rounds. In each round every rank posts a
+//! payload once (with the call's frame header, which readers check against
+//! their own), may publish a second part later in the round (a result it
+//! computed from the others' posts), and reads what it needs of the others'.
+//! A rank starts round `b + 1` only once every other rank has posted round
+//! `b`, and whatever it read in round `b` stays valid until then.
+
+use std::{
+    cell::Cell,
+    time::{Duration, Instant},
+};
+
+use crate::{FrameHeader, Result};
+
+/// Memory shared by every rank of one communicator (see the module docs).
+///
+/// Waits end with an error naming the rank waited for when that rank left
+/// or died, when this rank aborted, or at `deadline`; errors leave `call`
+/// empty, for the caller to fill in.
+pub trait GroupMemory: Send + Sync {
+    /// This rank.
+    fn rank(&self) -> usize;
+
+    /// Ranks sharing the memory.
+    fn world_size(&self) -> usize;
+
+    /// Payload bytes one rank can post in a round.
+    fn slot_bytes(&self) -> usize;
+
+    /// Starts this rank's next round, once every other rank has posted the
+    /// round before (so that the memory it posts into is free); returns the
+    /// round's number.
+    fn begin(&self, deadline: &Deadline) -> Result<u64>;
+
+    /// Posts this rank's payload of round `round`: `header.len` bytes of
+    /// which this rank writes `parts`, each at its offset. Readers read only
+    /// the parts; the rest may be published by [`GroupMemory::post_reduced`].
+    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()>;
+
+    /// Waits for rank `rank` to post round `round` and returns its payload,
+    /// `expect.len` bytes, after checking that its header is `expect`
+    /// (another call is [`crate::Error::Mismatch`]).
+    fn read(
+        &self,
+        round: u64,
+        rank: usize,
+        expect: &FrameHeader,
+        deadline: &Deadline,
+    ) -> Result<&[u8]>;
+
+    /// The second phase of round `round`: writes `parts` at their offsets of
+    /// this rank's payload (ranges no peer reads in the first phase) and
+    /// publishes them.
+    fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()>;
+
+    /// Waits for rank `rank` to publish its second phase of round `round`
+    /// and returns bytes `offset..offset + len` of its payload.
+    fn read_reduced(
+        &self,
+        round: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+        deadline: &Deadline,
+    ) -> Result<&[u8]>;
+
+    /// Tells the other ranks that this rank gave up because of rank `blame`:
+    /// those waiting for it fail at once, naming that rank.
+    fn abort(&self, blame: usize);
+}
+
+/// The deadline of a call that may wait several times: its timeout counts
+/// from the first time the call has to wait, so that a call that never
+/// waits reads no clock.
+#[derive(Debug)]
+pub struct Deadline {
+    timeout: Duration,
+    at: Cell<Option<Instant>>,
+}
+
+impl Deadline {
+    /// A deadline `timeout` after the first wait.
+    pub fn after(timeout: Duration) -> Deadline {
+        Deadline {
+            timeout,
+            at: Cell::new(None),
+        }
+    }
+
+    /// The timeout, counted from the first wait.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// When the call times out, given that it waits at `now`.
+    pub fn at(&self, now: Instant) -> Instant {
+        match self.at.get() {
+            Some(at) => at,
+            None => {
+                let at = now.checked_add(self.timeout).unwrap_or(now + Duration::from_secs(1 << 30));
+                self.at.set(Some(at));
+                at
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_counts_from_the_first_wait() {
+        let d = Deadline::after(Duration::from_secs(3));
+        let first = Instant::now();
+        let at = d.at(first);
+        assert_eq!(at, first + Duration::from_secs(3));
+        assert_eq!(d.at(first + Duration::from_secs(1)), at);
+        assert!(Deadline::after(Duration::MAX).at(first) > first);
+    }
+}
