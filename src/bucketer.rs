@@ -39,7 +39,7 @@ struct Ops {
     /// Launches the allreduce of a `Vec<T>`.
     launch: fn(&Communicator, Boxed, ReduceOp) -> Launched,
     /// Launches the allreduce of several `Vec<T>`s where they lie
-    /// ([`Communicator::iallreduce_on`]); the result is a `Vec<Vec<T>>`.
+    /// ([`Communicator::launch_allreduce_on`]); the result is a `Vec<Vec<T>>`.
     launch_on: fn(&Communicator, Vec<Boxed>, ReduceOp) -> Launched,
     /// A `Vec<Vec<T>>` as its `Vec<T>`s.
     split: fn(Boxed) -> Result<Vec<Boxed>>,
@@ -96,7 +96,7 @@ impl Ops {
                 .get_mut(off..off + t.len())
                 .ok_or_else(|| range_err("pack"))?;
             if add {
-                ccl_core::op::reduce(
+                ccl_core::kernels::reduce(
                     ReduceOp::Sum,
                     T::DTYPE,
                     bytemuck::cast_slice_mut(dst),
@@ -139,7 +139,19 @@ impl Ops {
                 .map_err(|_| {
                     Error::Internal(format!("bucketer: a tensor is not a Vec<{}>", T::DTYPE))
                 })?;
-            Ok(Box::new(InPlace(comm.iallreduce_on(vecs, op))))
+            let mut vecs = vecs;
+            let pieces = vecs
+                .iter_mut()
+                .map(|v| {
+                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(v);
+                    (bytes.as_mut_ptr(), bytes.len())
+                })
+                .collect();
+            // SAFETY: the vectors' heap memory does not move when they move
+            // into the completion, which keeps them alive and untouched
+            // until the engine is done with them.
+            let work = unsafe { comm.launch_allreduce_on(T::DTYPE, op, pieces, move || vecs) };
+            Ok(Box::new(InPlace(work)))
         }
         fn split<T: Element>(all: Boxed) -> Result<Vec<Boxed>> {
             let vecs = all.downcast::<Vec<Vec<T>>>().map_err(|_| {
@@ -321,8 +333,8 @@ enum Msg {
 /// every tensor is ready) returns [`Error::InvalidArgument`] and leaves the
 /// step as it was, so the caller can correct it. A rejected `ready` drops the
 /// `Vec` it was given.
-pub struct Bucketer<'c> {
-    comm: &'c Communicator,
+pub struct Bucketer {
+    comm: Communicator,
     op: ReduceOp,
     cap: usize,
     tensors: Vec<Tensor>,
@@ -342,7 +354,7 @@ pub struct Bucketer<'c> {
     steps: u64,
 }
 
-impl fmt::Debug for Bucketer<'_> {
+impl fmt::Debug for Bucketer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -360,12 +372,12 @@ fn invalid(msg: String) -> Error {
     Error::InvalidArgument(format!("bucketer: {msg}"))
 }
 
-impl<'c> Bucketer<'c> {
-    /// A bucketer that reduces with `op` on `comm`, buckets of at most
-    /// [`DEFAULT_BUCKET_CAP_BYTES`].
-    pub fn new(comm: &'c Communicator, op: ReduceOp) -> Bucketer<'c> {
+impl Bucketer {
+    /// A bucketer that reduces with `op` on `comm` (a handle it keeps),
+    /// buckets of at most [`DEFAULT_BUCKET_CAP_BYTES`].
+    pub fn new(comm: &Communicator, op: ReduceOp) -> Bucketer {
         Bucketer {
-            comm,
+            comm: comm.clone(),
             op,
             cap: DEFAULT_BUCKET_CAP_BYTES,
             tensors: Vec::new(),
@@ -384,7 +396,7 @@ impl<'c> Bucketer<'c> {
     /// Sets the bucket capacity in bytes (before the first step). A tensor
     /// larger than `cap` gets a bucket of its own; `cap` 0 gives every
     /// tensor its own bucket.
-    pub fn with_cap_bytes(mut self, cap: usize) -> Bucketer<'c> {
+    pub fn with_cap_bytes(mut self, cap: usize) -> Bucketer {
         self.cap = cap;
         self
     }
@@ -733,7 +745,7 @@ impl<'c> Bucketer<'c> {
 
     fn launch(&mut self, b: usize) -> Result<()> {
         let op = self.op;
-        let comm = self.comm;
+        let comm = &self.comm.clone(); // launches below borrow `self` mutably
         let bucket = &mut self.buckets[b];
         let ops = bucket.ops;
         let mut held = std::mem::take(&mut bucket.held);
@@ -752,7 +764,7 @@ impl<'c> Bucketer<'c> {
                 ((ops.launch)(comm, grad, op), Vec::new(), Some(id))
             } else if !accumulated
                 && held.len() == bucket.tensors.len()
-                && dtype.is_some_and(|d| comm.allreduces_on_board(bucket.len, d))
+                && dtype.is_some_and(|d| comm.allreduces_on_group(bucket.len, d))
             {
                 // Every tensor was handed over: reduce them where they lie, in
                 // the bucket's order (the same on every rank), without packing.

@@ -13,23 +13,37 @@
 //! let grad = work.wait()?;
 //! # Ok::<(), ccl::Error>(())
 //! ```
+//!
+//! The facade is split by job: `bootstrap` (how ranks meet), `transports`
+//! (the registry that links each pair), `selection` (which algorithm a call
+//! runs with), `engine` (running calls in order, under deadlines), `call`
+//! (the one untyped call path: [`Communicator::run`] and friends, which the
+//! C and Python bindings use too) and `api` (the typed methods over it).
 
-mod board;
+mod api;
+mod bootstrap;
 mod bucketer;
+mod call;
 mod communicator;
 mod engine;
+mod options;
+mod selection;
+mod transports;
 
+pub use bootstrap::rendezvous_store;
 pub use bucketer::{Bucketer, Reduced, TensorId, DEFAULT_BUCKET_CAP_BYTES};
 pub use ccl_algorithms::{Algorithm, Choice};
 pub use ccl_core::{
-    bf16, f16, CollectiveKind, DataType, Element, Error, JobSecret, ReduceOp, Result, Spin, Store,
-    Work,
+    bf16, f16, BufMut, BufRef, Collective, CollectiveKind, DataType, Element, Error, ErrorCode,
+    Event, JobSecret, MemoryKind, ReduceOp, Result, Spin, Store, Transport, Work,
 };
 pub use ccl_rendezvous::{
-    config, config::TransportChoice, free_port, Config, FileStore, HashStore, Launcher,
-    PrefixStore, Rendezvous, TcpStore, TcpStoreServer,
+    config, free_port, Config, FileStore, HashStore, Launcher, PrefixStore, Rendezvous, TcpStore,
+    TcpStoreServer,
 };
-pub use communicator::{rendezvous_store, Communicator, Options};
+pub use communicator::Communicator;
+pub use options::Options;
+pub use transports::Transports;
 
 /// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`;
 /// warnings and errors when unset), unless the program installed one already.

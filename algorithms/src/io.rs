@@ -56,7 +56,12 @@ impl<'a> IoBuffers<'a> {
     /// One buffer that is both input and output.
     pub fn in_place(mut buf: BufMut<'a>, kernels: &'static dyn Kernels) -> Result<IoBuffers<'a>> {
         let piece = (buf.as_mut_ptr(), buf.len());
-        IoBuffers::checked(Parts::One([piece]), Parts::One([piece]), buf.kind(), kernels)
+        IoBuffers::checked(
+            Parts::One([piece]),
+            Parts::One([piece]),
+            buf.kind(),
+            kernels,
+        )
     }
 
     /// Separate input and output.

@@ -143,7 +143,13 @@ impl Table {
     /// The measured best choice for `kind` over a buffer of `bytes` (see
     /// [`Collective::buffer_bytes`]) on `ranks` ranks linked by `links`, if
     /// the table covers that collective and class of links.
-    pub fn pick(&self, kind: CollectiveKind, bytes: u64, ranks: usize, links: &str) -> Option<Choice> {
+    pub fn pick(
+        &self,
+        kind: CollectiveKind,
+        bytes: u64,
+        ranks: usize,
+        links: &str,
+    ) -> Option<Choice> {
         self.narrowed(ranks, links).choose(kind, bytes)
     }
 
@@ -292,18 +298,9 @@ allreduce tcp 8 -     dbtree
     fn picks_by_size_ranks_and_links() {
         let t = Table::parse(TABLE).unwrap();
         let ar = CollectiveKind::AllReduce;
-        assert_eq!(
-            t.pick(ar, 8, 2, "shm"),
-            Some(Algorithm::Board.into())
-        );
-        assert_eq!(
-            t.pick(ar, 16384, 2, "shm"),
-            Some(Algorithm::Board.into())
-        );
-        assert_eq!(
-            t.pick(ar, 16385, 2, "shm"),
-            Some(Algorithm::Ring.into())
-        );
+        assert_eq!(t.pick(ar, 8, 2, "shm"), Some(Algorithm::Board.into()));
+        assert_eq!(t.pick(ar, 16384, 2, "shm"), Some(Algorithm::Board.into()));
+        assert_eq!(t.pick(ar, 16385, 2, "shm"), Some(Algorithm::Ring.into()));
         assert_eq!(
             t.pick(ar, 1 << 20, 8, "tcp"),
             Some(Algorithm::DoubleBinaryTree.into())
@@ -325,10 +322,7 @@ allreduce tcp 8 -     dbtree
             t.pick(ar, 1 << 20, 4, "tcp"),
             Some(Algorithm::DoubleBinaryTree.into())
         );
-        assert_eq!(
-            t.pick(CollectiveKind::Broadcast, 8, 2, "tcp"),
-            None
-        );
+        assert_eq!(t.pick(CollectiveKind::Broadcast, 8, 2, "tcp"), None);
     }
 
     #[test]

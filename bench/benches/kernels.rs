@@ -1,4 +1,4 @@
-//! Reduction kernels (`ccl_core::op::reduce`): every data type, sum and max,
+//! Reduction kernels (`ccl_core::kernels::reduce`): every data type, sum and max,
 //! on a cache-resident and a memory-sized buffer, reported in bytes/s of the
 //! destination buffer.
 //!
@@ -6,7 +6,7 @@
 
 use std::{hint::black_box, time::Duration};
 
-use ccl_core::{op, AlignedBuf, DataType, ReduceOp};
+use ccl_core::{kernels, AlignedBuf, DataType, ReduceOp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 /// 64 KiB (fits in L2) and 16 MiB (does not fit in any cache here).
@@ -29,7 +29,7 @@ fn kernels(c: &mut Criterion) {
                     &bytes,
                     |b, _| {
                         b.iter(|| {
-                            op::reduce(
+                            kernels::reduce(
                                 ccl_op,
                                 dtype,
                                 black_box(dst.as_mut_slice()),

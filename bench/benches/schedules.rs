@@ -1,12 +1,12 @@
-//! Schedule building (`ccl_algorithms::Spec::build`): every collective and
+//! Schedule building (`ccl_algorithms::Algorithm::schedule`): every collective and
 //! algorithm, small and large counts, 2 to 64 ranks.
 //!
 //! `cargo bench -p ccl-bench --bench schedules` (add a filter such as `allreduce/ring`).
 
 use std::{hint::black_box, time::Duration};
 
-use ccl_algorithms::{Algorithm, Spec};
-use ccl_core::CollectiveKind;
+use ccl_algorithms::Algorithm;
+use ccl_core::{Collective, CollectiveKind, DataType};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
 /// The piece size the communicator uses (512 KiB of f32).
@@ -26,18 +26,14 @@ fn schedules(c: &mut Criterion) {
         for &algo in algos {
             for world_size in [2usize, 8, 64] {
                 for count in [1024usize, 64 << 20] {
-                    let spec = Spec {
-                        kind,
-                        rank: world_size / 2,
-                        world_size,
-                        count,
-                        root: 0,
-                        finalize: false,
-                        piece_elems: PIECE_ELEMS,
-                    };
+                    let coll = Collective::new(kind, DataType::F32, count);
+                    let rank = world_size / 2;
                     let id = BenchmarkId::new(algo.name(), format!("n{world_size}/c{count}"));
-                    group.bench_with_input(id, &spec, |b, spec| {
-                        b.iter(|| black_box(spec).build(algo).expect("valid spec"))
+                    group.bench_with_input(id, &coll, |b, coll| {
+                        b.iter(|| {
+                            algo.schedule(black_box(coll), rank, world_size, PIECE_ELEMS)
+                                .expect("valid call")
+                        })
                     });
                 }
             }

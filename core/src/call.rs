@@ -189,8 +189,8 @@ mod tests {
 
     #[test]
     fn fingerprints_keep_only_what_ranks_share() {
-        let ar = Collective::new(CollectiveKind::AllReduce, DataType::F32, 8)
-            .with_op(ReduceOp::Avg);
+        let ar =
+            Collective::new(CollectiveKind::AllReduce, DataType::F32, 8).with_op(ReduceOp::Avg);
         assert_eq!(ar.fingerprint().op, ReduceOp::Avg.tag());
         assert_eq!(ar.to_string(), "allreduce(f32×8, avg)");
         let bc = Collective::new(CollectiveKind::Broadcast, DataType::U8, 3).with_root(2);
@@ -207,9 +207,13 @@ mod tests {
             .with_root(4)
             .validate(0, 4)
             .unwrap_err();
-        assert!(e.to_string().contains("reduce(f32×1, sum, root 4) on rank 0"), "{e}");
-        let band_on_float = Collective::new(CollectiveKind::AllReduce, DataType::F32, 1)
-            .with_op(ReduceOp::BitAnd);
+        assert!(
+            e.to_string()
+                .contains("reduce(f32×1, sum, root 4) on rank 0"),
+            "{e}"
+        );
+        let band_on_float =
+            Collective::new(CollectiveKind::AllReduce, DataType::F32, 1).with_op(ReduceOp::BitAnd);
         assert!(band_on_float.validate(0, 2).is_err());
         let to_self = Collective::new(CollectiveKind::SendRecv, DataType::U8, 1).with_root(1);
         assert!(to_self.validate(1, 2).is_err() && to_self.validate(0, 2).is_ok());

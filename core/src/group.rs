@@ -101,7 +101,9 @@ impl Deadline {
         match self.at.get() {
             Some(at) => at,
             None => {
-                let at = now.checked_add(self.timeout).unwrap_or(now + Duration::from_secs(1 << 30));
+                let at = now
+                    .checked_add(self.timeout)
+                    .unwrap_or(now + Duration::from_secs(1 << 30));
                 self.at.set(Some(at));
                 at
             }

@@ -119,7 +119,11 @@ impl<'a> BufRef<'a> {
 
 impl fmt::Debug for BufRef<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "BufRef({} bytes of {} at {:p})", self.len, self.kind, self.ptr)
+        write!(
+            f,
+            "BufRef({} bytes of {} at {:p})",
+            self.len, self.kind, self.ptr
+        )
     }
 }
 
@@ -213,7 +217,11 @@ impl<'a> BufMut<'a> {
 
 impl fmt::Debug for BufMut<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "BufMut({} bytes of {} at {:p})", self.len, self.kind, self.ptr)
+        write!(
+            f,
+            "BufMut({} bytes of {} at {:p})",
+            self.len, self.kind, self.ptr
+        )
     }
 }
 
@@ -414,7 +422,10 @@ mod tests {
         assert_eq!((s.kind(), s.len()), (MemoryKind::Host, 8));
         k.copy(s.buf_mut(), BufRef::from_host(bytemuck::cast_slice(&into)))
             .unwrap();
-        assert_eq!(s.buf().host().unwrap(), bytemuck::cast_slice::<f32, u8>(&into));
+        assert_eq!(
+            s.buf().host().unwrap(),
+            bytemuck::cast_slice::<f32, u8>(&into)
+        );
         assert!(s.buf().slice(4, 4).is_some() && s.buf().slice(5, 4).is_none());
     }
 
@@ -424,11 +435,12 @@ mod tests {
         // SAFETY: never dereferenced: `host` refuses device memory.
         let r = unsafe { BufRef::from_raw(gpu, 0x1000 as *const u8, 64) };
         let e = r.host().unwrap_err();
-        assert!(matches!(e, Error::Unsupported(ref m) if m.contains("GPU 1")), "{e}");
+        assert!(
+            matches!(e, Error::Unsupported(ref m) if m.contains("GPU 1")),
+            "{e}"
+        );
         // SAFETY: as above.
         let w = unsafe { BufMut::from_raw(gpu, 0x1000 as *mut u8, 64) };
-        assert!(HOST_KERNELS
-            .copy(w, BufRef::from_host(&[0u8; 64]))
-            .is_err());
+        assert!(HOST_KERNELS.copy(w, BufRef::from_host(&[0u8; 64])).is_err());
     }
 }

@@ -299,7 +299,12 @@ mod tests {
 
     impl Event for Flag {
         fn query(&self) -> Result<bool> {
-            self.0.lock().unwrap().clone().transpose().map(|r| r.is_some())
+            self.0
+                .lock()
+                .unwrap()
+                .clone()
+                .transpose()
+                .map(|r| r.is_some())
         }
         fn synchronize(&self, timeout: Option<Duration>) -> Result<bool> {
             let limit = timeout.unwrap_or(Duration::from_secs(60));

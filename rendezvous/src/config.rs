@@ -8,7 +8,11 @@
 //! served by rank 0) or `CCL_STORE_PATH` (file store directory). `CCL_*`
 //! variables set ccl's own knobs.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::PathBuf,
+    time::Duration,
+};
 
 use ccl_core::{Error, Result};
 
@@ -52,10 +56,6 @@ pub struct Config {
     pub rendezvous: Rendezvous,
     /// `CCL_TIMEOUT`: deadline of every wait (`600`, `30s`, `500ms`, `10m`).
     pub timeout: Duration,
-    /// `CCL_SOCKET_IFNAME`: network interface for links (`eth0`, `lo`).
-    pub socket_ifname: Option<String>,
-    /// `CCL_NSOCKS`: TCP sockets per peer, striped for large messages.
-    pub nsocks: usize,
     /// `CCL_DEBUG`: tracing filter (`warn`, `info`, `debug`, `trace`, or a full filter).
     pub debug: Option<String>,
     /// `CCL_ALGO`: algorithm override, `ring` or per collective `allreduce=rd,broadcast=tree`
@@ -64,14 +64,10 @@ pub struct Config {
     /// `CCL_SPIN_US`: microseconds a waiting thread polls before it sleeps
     /// (`None`: the facade decides from the ranks per host and the cores).
     pub spin: Option<Duration>,
-    /// `CCL_TRANSPORT`: `auto` (shared memory between ranks of one host, TCP
-    /// between hosts), `tcp` or `shm` (every pair, or an error).
-    pub transport: TransportChoice,
-    /// `CCL_SHM_BYTES`: shared memory per pair of ranks on one host (both directions).
-    pub shm_bytes: usize,
-    /// `CCL_SHM_CMA=0`: never read a peer's memory with cross-memory attach
-    /// (large shared-memory messages are then copied through the ring).
-    pub shm_cma: bool,
+    /// `CCL_TRANSPORT`: the one transport every pair must use, by name
+    /// (`tcp`, `shm`, ...); `None` (unset or `auto`): each pair takes the
+    /// first transport that can connect it.
+    pub transport: Option<String>,
     /// `CCL_HOST_ID`: ranks with equal values count as one host (default: the
     /// hostname, boot id and namespaces of the process).
     pub host_id: Option<String>,
@@ -81,37 +77,10 @@ pub struct Config {
     /// `CCL_DEBUG_CHECKS=1`: before every collective, ranks exchange their
     /// calls' arguments and fail with a mismatch if they differ.
     pub debug_checks: bool,
+    /// Every `CCL_*` variable but the secret, for the knobs each transport
+    /// reads itself ([`Config::knob`]).
+    pub knobs: BTreeMap<String, String>,
 }
-
-/// Which transport links use (`CCL_TRANSPORT`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum TransportChoice {
-    /// Shared memory between ranks of one host, TCP between hosts.
-    #[default]
-    Auto,
-    /// TCP for every pair.
-    Tcp,
-    /// Shared memory for every pair; an error if a pair cannot use it.
-    Shm,
-}
-
-impl std::str::FromStr for TransportChoice {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" | "" => Ok(TransportChoice::Auto),
-            "tcp" => Ok(TransportChoice::Tcp),
-            "shm" => Ok(TransportChoice::Shm),
-            _ => Err(format!(
-                "unknown transport '{s}' (expected auto, tcp or shm)"
-            )),
-        }
-    }
-}
-
-/// Default of `CCL_SHM_BYTES`: 1 MiB per pair, ample since large messages
-/// go by cross-memory attach rather than through the segment.
-pub const DEFAULT_SHM_BYTES: usize = 1 << 20;
 
 /// Parses `600`, `2.5`, `30s`, `500ms`, `10m`, `1h` (a bare number is seconds).
 pub fn parse_duration(s: &str) -> Option<Duration> {
@@ -132,13 +101,24 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 }
 
 impl Config {
-    /// Reads the process environment.
+    /// Reads the process environment (variables that are not UTF-8 count as unset).
     pub fn from_env() -> Result<Config> {
-        Config::from_vars(|k| std::env::var(k).ok())
+        Config::from_vars(
+            std::env::vars_os()
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
+        )
     }
 
-    /// Reads variables through `var` (for tests and embedders).
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Config> {
+    /// Reads these variables (for tests and embedders); of a name given
+    /// twice, the last value counts.
+    pub fn from_vars<K: Into<String>, V: Into<String>>(
+        vars: impl IntoIterator<Item = (K, V)>,
+    ) -> Result<Config> {
+        let vars: HashMap<String, String> = vars
+            .into_iter()
+            .map(|(k, v)| (k.into(), v.into()))
+            .collect();
+        let var = |k: &str| vars.get(k).cloned();
         let num =
             |k: &str| -> Result<Option<usize>> {
                 match var(k) {
@@ -228,18 +208,6 @@ impl Config {
                 ))
             })?,
         };
-        let nsocks = num("CCL_NSOCKS")?.unwrap_or(1);
-        if !(1..=64).contains(&nsocks) {
-            return Err(Error::Config(format!(
-                "CCL_NSOCKS={nsocks} is not within 1..=64"
-            )));
-        }
-        let shm_bytes = num("CCL_SHM_BYTES")?.unwrap_or(DEFAULT_SHM_BYTES);
-        if !(64 * 1024..=1 << 30).contains(&shm_bytes) {
-            return Err(Error::Config(format!(
-                "CCL_SHM_BYTES={shm_bytes} is not within 64 KiB..=1 GiB"
-            )));
-        }
         Ok(Config {
             rank,
             world_size,
@@ -248,27 +216,62 @@ impl Config {
             launcher,
             rendezvous,
             timeout,
-            socket_ifname: var("CCL_SOCKET_IFNAME").filter(|s| !s.is_empty()),
-            nsocks,
             debug: var("CCL_DEBUG").filter(|s| !s.is_empty()),
             algo: var("CCL_ALGO").filter(|s| !s.is_empty()),
             spin: num("CCL_SPIN_US")?.map(|us| Duration::from_micros(us as u64)),
             transport: var("CCL_TRANSPORT")
-                .map(|v| {
-                    v.parse()
-                        .map_err(|m: String| Error::Config(format!("CCL_TRANSPORT: {m}")))
-                })
-                .transpose()?
-                .unwrap_or_default(),
-            shm_bytes,
-            shm_cma: flag(var("CCL_SHM_CMA"), "CCL_SHM_CMA", true)?,
+                .map(|t| t.trim().to_ascii_lowercase())
+                .filter(|t| !t.is_empty() && t != "auto"),
             host_id: var("CCL_HOST_ID").filter(|s| !s.is_empty()),
             job_secret: var("CCL_JOB_SECRET")
                 .filter(|s| !s.is_empty())
                 .map(ccl_core::JobSecret::new)
                 .transpose()?,
             debug_checks: flag(var("CCL_DEBUG_CHECKS"), "CCL_DEBUG_CHECKS", false)?,
+            knobs: vars
+                .iter()
+                // The secret is read above, and never printed.
+                .filter(|(k, _)| k.starts_with("CCL_") && k.as_str() != "CCL_JOB_SECRET")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
         })
+    }
+
+    /// The value of the `CCL_*` variable `name`, unless unset or empty.
+    pub fn knob(&self, name: &str) -> Option<&str> {
+        self.knobs
+            .get(name)
+            .map(String::as_str)
+            .filter(|v| !v.is_empty())
+    }
+
+    /// The knob `name` as a whole number within `range` (`default` when
+    /// unset); a `Config` error naming it otherwise.
+    pub fn knob_number(
+        &self,
+        name: &str,
+        default: usize,
+        range: std::ops::RangeInclusive<usize>,
+    ) -> Result<usize> {
+        let Some(v) = self.knob(name) else {
+            return Ok(default);
+        };
+        v.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| range.contains(n))
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "{name}={v:?} is not a whole number within {}..={}",
+                    range.start(),
+                    range.end()
+                ))
+            })
+    }
+
+    /// The 0/1 switch `name` (`default` when unset).
+    pub fn knob_flag(&self, name: &str, default: bool) -> Result<bool> {
+        flag(self.knob(name).map(str::to_string), name, default)
     }
 }
 
@@ -286,14 +289,9 @@ fn flag(value: Option<String>, name: &str, default: bool) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::HashMap;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<Config> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        Config::from_vars(|k| m.get(k).cloned())
+        Config::from_vars(pairs.iter().copied())
     }
 
     #[test]
@@ -373,9 +371,12 @@ mod tests {
         assert!(!format!("{c:?}").contains("s3cret"));
         assert_eq!(cfg(&[("CCL_JOB_SECRET", "")]).unwrap().job_secret, None);
         let c = cfg(&[("CCL_DEBUG_CHECKS", "1"), ("CCL_SHM_CMA", "0")]).unwrap();
-        assert!(c.debug_checks && !c.shm_cma);
-        let c = cfg(&[]).unwrap();
-        assert!(!c.debug_checks && c.shm_cma);
+        assert!(c.debug_checks && !c.knob_flag("CCL_SHM_CMA", true).unwrap());
+        let c = cfg(&[("CCL_TRANSPORT", " TCP ")]).unwrap();
+        assert_eq!(c.transport.as_deref(), Some("tcp"));
+        let c = cfg(&[("CCL_TRANSPORT", "auto")]).unwrap();
+        assert!(!c.debug_checks && c.knob_flag("CCL_SHM_CMA", true).unwrap());
+        assert_eq!(c.transport, None);
     }
 
     #[test]
@@ -397,11 +398,9 @@ mod tests {
                 ("MASTER_PORT", "99999"),
             ],
             vec![("CCL_TIMEOUT", "soon")],
-            vec![("CCL_NSOCKS", "0")],
             vec![("CCL_SPIN_US", "-5")],
             vec![("CCL_JOB_SECRET", long.as_str())],
             vec![("CCL_DEBUG_CHECKS", "yes")],
-            vec![("CCL_SHM_CMA", "off")],
             vec![
                 ("MASTER_ADDR", "h"),
                 ("MASTER_PORT", "1"),
@@ -411,6 +410,16 @@ mod tests {
             let e = cfg(&bad).unwrap_err();
             assert!(matches!(e, Error::Config(_)), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn knobs_are_checked_where_they_are_read() {
+        let c = cfg(&[("CCL_NSOCKS", "0"), ("CCL_SHM_CMA", "off"), ("NSOCKS", "3")]).unwrap();
+        let e = c.knob_number("CCL_NSOCKS", 1, 1..=64).unwrap_err();
+        assert!(e.to_string().contains("CCL_NSOCKS=\"0\""), "{e}");
+        assert_eq!(c.knob_number("CCL_OTHER", 7, 1..=64).unwrap(), 7);
+        assert!(c.knob_flag("CCL_SHM_CMA", true).is_err());
+        assert_eq!(c.knob("NSOCKS"), None);
     }
 
     #[test]

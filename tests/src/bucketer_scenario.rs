@@ -85,7 +85,7 @@ fn make<T: Small>(r: usize, s: usize, t: usize, len: usize) -> Vec<T> {
 }
 
 fn hand_over(
-    b: &mut Bucketer<'_>,
+    b: &mut Bucketer,
     ids: &[TensorId],
     spec: &[(usize, usize)],
     r: usize,
@@ -143,7 +143,7 @@ fn check_ints(
     Ok(checked)
 }
 
-fn register(b: &mut Bucketer<'_>, spec: &[(usize, usize)]) -> Result<Vec<TensorId>, String> {
+fn register(b: &mut Bucketer, spec: &[(usize, usize)]) -> Result<Vec<TensorId>, String> {
     spec.iter()
         .map(|&(ty, len)| match ty {
             0 => b.register::<i64>(len),

@@ -255,7 +255,7 @@ fn a_new_communicator_from_the_same_store_works_after_a_failure() {
 fn a_timeout_names_the_rank_that_did_not_arrive() {
     let options = Options {
         timeout: Duration::from_secs(60),
-        transport: ccl::TransportChoice::Tcp,
+        transport: Some("tcp".into()),
         ..Options::default()
     };
     let results = with_ranks(2, options, |comm| {

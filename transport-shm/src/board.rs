@@ -38,14 +38,13 @@
 //! still exists (a pidfd) and the deadline.
 
 use std::{
-    cell::Cell,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
     sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
     time::{Duration, Instant},
 };
 
-use ccl_core::{frame::HEADER_LEN, Error, FrameHeader, Result, Spin, Store};
+use ccl_core::{frame::HEADER_LEN, Deadline, Error, FrameHeader, GroupMemory, Result, Spin, Store};
 
 use crate::{segment::Segment, window::SpinWindow};
 
@@ -92,6 +91,7 @@ pub struct Board {
     slot: usize,
     /// Board calls made so far by this rank.
     calls: AtomicU64,
+    last_post: LastPost,
     /// Readable once peer `p` exits; `None` for this rank or without pidfds.
     exits: Vec<Option<OwnedFd>>,
     spin: Spin,
@@ -191,11 +191,6 @@ fn pidfd(pid: u32) -> Option<OwnedFd> {
 }
 
 impl Board {
-    /// Payload bytes one rank can post per call.
-    pub fn slot_bytes(&self) -> usize {
-        self.slot
-    }
-
     fn control(&self, r: usize) -> usize {
         HEAD + r * area(self.slot)
     }
@@ -232,44 +227,12 @@ impl Board {
         self.seg.load(self.slot_at(r, s))
     }
 
-    /// Starts this rank's next board call: waits (within `deadline`, which
-    /// may be shared by the rounds of one call) for every peer to have
-    /// published the call before, so that this rank's slot is free, and
-    /// returns the round to post and read in.
-    pub fn begin<'a>(&'a self, header: FrameHeader, deadline: &'a Deadline) -> Result<Round<'a>> {
-        let b = self.calls.load(Ordering::Relaxed) + 1;
-        let round = Round {
-            board: self,
-            b,
-            header,
-            deadline,
-            posted: Cell::new(None),
-        };
-        if b > 1 {
-            let prev = ((b - 1) % 2) as usize;
-            for p in (0..self.n).filter(|&p| p != self.rank) {
-                round.wait_for(p, || self.published(p, prev) >= b - 1)?;
-            }
-        }
-        self.calls.store(b, Ordering::Relaxed);
-        Ok(round)
-    }
-
     /// Marks this rank as gone (`why`) and wakes every rank sleeping on it.
     fn leave(&self, why: u32) {
         self.word32(self.rank, LEFT).store(why, Ordering::Release);
         let wake = self.word32(self.rank, WAKE);
         wake.fetch_add(1, Ordering::SeqCst);
         futex(wake, libc::FUTEX_WAKE, i32::MAX as u32, None);
-    }
-
-    /// Tells the other ranks that this rank gave up on the communicator
-    /// because of rank `blame`: those waiting for it on the board fail at
-    /// once, naming that rank.
-    pub fn abort(&self, blame: usize) {
-        self.word32(self.rank, BLAME)
-            .store(blame as u32 + 1, Ordering::Relaxed);
-        self.leave(ABORTED);
     }
 }
 
@@ -281,197 +244,17 @@ impl Drop for Board {
     }
 }
 
-/// The deadline of a board call: its timeout counts from the first time the
-/// call has to wait, so that a call that never waits reads no clock.
-#[derive(Debug)]
-pub struct Deadline {
-    timeout: Duration,
-    at: Cell<Option<Instant>>,
-}
-
-impl Deadline {
-    /// A deadline `timeout` after the first wait.
-    pub fn after(timeout: Duration) -> Deadline {
-        Deadline {
-            timeout,
-            at: Cell::new(None),
-        }
-    }
-
-    /// When the call times out, given that it waits at `now`.
-    fn at(&self, now: Instant) -> Instant {
-        match self.at.get() {
-            Some(at) => at,
-            None => {
-                let at = now + self.timeout;
-                self.at.set(Some(at));
-                at
-            }
-        }
-    }
-}
-
-/// One board call of this rank.
-pub struct Round<'a> {
-    board: &'a Board,
-    b: u64,
-    header: FrameHeader,
-    deadline: &'a Deadline,
-    /// The length and header digest this rank posted, once it has.
-    posted: Cell<Option<(usize, u64)>>,
-}
-
-impl Round<'_> {
-    /// Copies `data` into this rank's slot and publishes it with the call's
-    /// header (whose `len` is set to `data.len()`).
-    pub fn post(&self, data: &[u8]) -> Result<()> {
-        self.post_at(data.len(), &[(0, data)])
-    }
-
-    /// Publishes a payload of `len` bytes of which this rank writes only
-    /// `parts`, each at its offset; peers must read nothing else of it (the
-    /// rest may be written later by [`Round::post_reduced`]).
-    pub fn post_at(&self, len: usize, parts: &[(usize, &[u8])]) -> Result<()> {
-        let bd = self.board;
-        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
-        if len > bd.slot || end > len {
-            return Err(Error::Internal(format!(
-                "a {len}-byte payload with parts up to byte {end} does not fit a {}-byte board slot",
-                bd.slot
-            )));
-        }
-        let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
-        let header = FrameHeader {
-            len: len as u64,
-            ..self.header
-        }
-        .encode();
-        let sum = digest(&header);
-        self.posted.set(Some((len, sum)));
-        let payload = payload_at(len);
-        // SAFETY: this rank's own slot, which no peer reads until the call
-        // number below is published (peers finished the previous use, see
-        // `begin`); every part lies inside the payload (checked above).
-        unsafe {
-            let base = bd.seg.base().add(at);
-            std::ptr::copy_nonoverlapping(header.as_ptr(), base.add(HEADER_AT), HEADER_LEN);
-            for (offset, part) in parts {
-                let to = base.add(payload + offset);
-                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
-            }
-        }
-        bd.seg.word(at + DIGEST).store(sum, Ordering::Relaxed);
-        bd.seg.word(at).store(self.b, Ordering::Release);
-        bd.wake_sleepers();
-        Ok(())
-    }
-
-    /// The second phase of a call: copies `parts`, each to its offset of this
-    /// rank's payload area (where payloads of more than [`INLINE`] bytes are
-    /// posted), and publishes them as this rank's reduced part. The ranges
-    /// must be ones that no peer reads in the first phase.
-    pub fn post_reduced(&self, parts: &[(usize, &[u8])]) -> Result<()> {
-        let bd = self.board;
-        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
-        if end > bd.slot {
-            return Err(Error::Internal(format!(
-                "reduced parts up to byte {end} do not fit a {}-byte board slot",
-                bd.slot
-            )));
-        }
-        let at = bd.slot_at(bd.rank, (self.b % 2) as usize);
-        // SAFETY: this rank's own slot; the caller writes ranges that peers
-        // do not read until the reduced number below is published.
-        unsafe {
-            for (offset, part) in parts {
-                let to = bd.seg.base().add(at + SLOT_HEAD + offset);
-                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
-            }
-        }
-        bd.seg.word(at + LINE).store(self.b, Ordering::Release);
-        bd.wake_sleepers();
-        Ok(())
-    }
-
-    /// Waits for rank `r` to publish its reduced part of this call and
-    /// returns bytes `offset..offset + len` of its payload.
-    pub fn read_reduced(&self, r: usize, offset: usize, len: usize) -> Result<&[u8]> {
-        let bd = self.board;
-        let s = (self.b % 2) as usize;
-        if offset + len > bd.slot {
-            return Err(Error::Internal(format!(
-                "bytes {offset}..{} do not fit a {}-byte board slot",
-                offset + len,
-                bd.slot
-            )));
-        }
-        if r != bd.rank {
-            self.wait_for(r, || bd.reduced(r, s) >= self.b)?;
-        }
-        // SAFETY: published for this call; its owner does not write the slot
-        // again before this rank publishes its next call (see `begin`).
-        Ok(unsafe {
-            std::slice::from_raw_parts(
-                bd.seg.base().add(bd.slot_at(r, s) + SLOT_HEAD + offset),
-                len,
-            )
-        })
-    }
-
-    /// Waits for rank `r` to post this call and returns its payload, whose
-    /// header must match this call with a payload of `len` bytes.
-    pub fn read(&self, r: usize, len: usize) -> Result<&[u8]> {
-        let bd = self.board;
-        let s = (self.b % 2) as usize;
-        if r != bd.rank {
-            self.wait_for(r, || bd.published(r, s) >= self.b)?;
-        }
-        let at = bd.slot_at(r, s);
-        let expect = FrameHeader {
-            len: len as u64,
-            ..self.header
-        };
-        let want = match self.posted.get() {
-            Some((posted, sum)) if posted == len => sum,
-            _ => digest(&expect.encode()),
-        };
-        if bd.seg.load(at + DIGEST) != want {
-            // SAFETY: the slot was published for this call and its owner
-            // does not write it again before this rank publishes its next call.
-            let head = unsafe {
-                std::slice::from_raw_parts(bd.seg.base().add(at + HEADER_AT), HEADER_LEN)
-            };
-            let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
-                rank: bd.rank,
-                peer: r,
-                call: String::new(),
-                msg,
-            })?;
-            expect.check_received(&got, bd.rank, r)?;
-            return Err(Error::Protocol {
-                rank: bd.rank,
-                peer: r,
-                call: String::new(),
-                msg: "the board header and its digest disagree".into(),
-            });
-        }
-        // SAFETY: as above; the digests say that the owner posted `len`
-        // bytes, at most the slot size.
-        Ok(unsafe {
-            std::slice::from_raw_parts(bd.seg.base().add(at + payload_at(len)), len.min(bd.slot))
-        })
-    }
-
+impl Board {
     /// Waits until `ready()`, which rank `p` makes true: polls for the spin
     /// window, then sleeps on p's futex word in slices. Fails if p left, its
-    /// process exited, or the deadline passed.
-    fn wait_for(&self, p: usize, ready: impl Fn() -> bool) -> Result<()> {
+    /// process exited, this rank aborted, or the deadline passed.
+    fn wait_for(&self, p: usize, deadline: &Deadline, ready: impl Fn() -> bool) -> Result<()> {
         if ready() {
             return Ok(());
         }
-        let bd = self.board;
+        let bd = self;
         let started = Instant::now();
-        let deadline = self.deadline.at(started);
+        let at = deadline.at(started);
         let window = bd.window.get();
         let mut asleep: Option<Instant> = None;
         let mut polls = 0u32;
@@ -527,13 +310,13 @@ impl Round<'_> {
             if let Some(cause) = gone {
                 return Err(lost(p, cause.to_string()));
             }
-            if now >= deadline {
+            if now >= at {
                 return Err(Error::Timeout {
                     context: format!("rank {}", bd.rank),
                     what: format!(
                         "rank {p} on the shared-memory board (it did not make this call, or is stuck)"
                     ),
-                    after: self.deadline.timeout,
+                    after: deadline.timeout(),
                 });
             }
             asleep.get_or_insert(now);
@@ -542,7 +325,7 @@ impl Round<'_> {
             sleepers.fetch_add(1, Ordering::SeqCst);
             let seen = wake.load(Ordering::SeqCst);
             if !ready() && bd.word32(p, LEFT).load(Ordering::Acquire) == 0 {
-                let nap = SLICE.min(deadline.saturating_duration_since(now));
+                let nap = SLICE.min(at.saturating_duration_since(now));
                 futex(wake, libc::FUTEX_WAIT, seen, Some(nap));
             }
             sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -550,6 +333,191 @@ impl Round<'_> {
     }
 }
 
+impl GroupMemory for Board {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.n
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slot
+    }
+
+    fn begin(&self, deadline: &Deadline) -> Result<u64> {
+        let b = self.calls.load(Ordering::Relaxed) + 1;
+        if b > 1 {
+            let prev = ((b - 1) % 2) as usize;
+            for p in (0..self.n).filter(|&p| p != self.rank) {
+                self.wait_for(p, deadline, || self.published(p, prev) >= b - 1)?;
+            }
+        }
+        self.calls.store(b, Ordering::Relaxed);
+        Ok(b)
+    }
+
+    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()> {
+        let len = header.len as usize;
+        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
+        if len > self.slot || end > len {
+            return Err(Error::Internal(format!(
+                "a {len}-byte payload with parts up to byte {end} does not fit a {}-byte board slot",
+                self.slot
+            )));
+        }
+        let at = self.slot_at(self.rank, (round % 2) as usize);
+        let header = header.encode();
+        let sum = digest(&header);
+        self.last_post.remember(round, len, sum);
+        let payload = payload_at(len);
+        // SAFETY: this rank's own slot, which no peer reads until the call
+        // number below is published (peers finished the previous use, see
+        // `begin`); every part lies inside the payload (checked above).
+        unsafe {
+            let base = self.seg.base().add(at);
+            std::ptr::copy_nonoverlapping(header.as_ptr(), base.add(HEADER_AT), HEADER_LEN);
+            for (offset, part) in parts {
+                let to = base.add(payload + offset);
+                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+            }
+        }
+        self.seg.word(at + DIGEST).store(sum, Ordering::Relaxed);
+        self.seg.word(at).store(round, Ordering::Release);
+        self.wake_sleepers();
+        Ok(())
+    }
+
+    fn read(
+        &self,
+        round: u64,
+        r: usize,
+        expect: &FrameHeader,
+        deadline: &Deadline,
+    ) -> Result<&[u8]> {
+        let s = (round % 2) as usize;
+        if r != self.rank {
+            self.wait_for(r, deadline, || self.published(r, s) >= round)?;
+        }
+        let at = self.slot_at(r, s);
+        let len = expect.len as usize;
+        let want = self
+            .last_post
+            .digest_of(round, len)
+            .unwrap_or_else(|| digest(&expect.encode()));
+        if self.seg.load(at + DIGEST) != want {
+            // SAFETY: the slot was published for this call and its owner
+            // does not write it again before this rank publishes its next call.
+            let head = unsafe {
+                std::slice::from_raw_parts(self.seg.base().add(at + HEADER_AT), HEADER_LEN)
+            };
+            let got = FrameHeader::decode(head).map_err(|msg| Error::Protocol {
+                rank: self.rank,
+                peer: r,
+                call: String::new(),
+                msg,
+            })?;
+            expect.check_received(&got, self.rank, r)?;
+            return Err(Error::Protocol {
+                rank: self.rank,
+                peer: r,
+                call: String::new(),
+                msg: "the board header and its digest disagree".into(),
+            });
+        }
+        // SAFETY: as above; the digests say that the owner posted `len`
+        // bytes, at most the slot size.
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                self.seg.base().add(at + payload_at(len)),
+                len.min(self.slot),
+            )
+        })
+    }
+
+    fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
+        let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
+        if end > self.slot {
+            return Err(Error::Internal(format!(
+                "reduced parts up to byte {end} do not fit a {}-byte board slot",
+                self.slot
+            )));
+        }
+        let at = self.slot_at(self.rank, (round % 2) as usize);
+        // SAFETY: this rank's own slot; the caller writes ranges that peers
+        // do not read until the reduced number below is published.
+        unsafe {
+            for (offset, part) in parts {
+                let to = self.seg.base().add(at + SLOT_HEAD + offset);
+                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+            }
+        }
+        self.seg.word(at + LINE).store(round, Ordering::Release);
+        self.wake_sleepers();
+        Ok(())
+    }
+
+    fn read_reduced(
+        &self,
+        round: u64,
+        r: usize,
+        offset: usize,
+        len: usize,
+        deadline: &Deadline,
+    ) -> Result<&[u8]> {
+        let s = (round % 2) as usize;
+        if offset + len > self.slot {
+            return Err(Error::Internal(format!(
+                "bytes {offset}..{} do not fit a {}-byte board slot",
+                offset + len,
+                self.slot
+            )));
+        }
+        if r != self.rank {
+            self.wait_for(r, deadline, || self.reduced(r, s) >= round)?;
+        }
+        // SAFETY: published for this call; its owner does not write the slot
+        // again before this rank publishes its next call (see `begin`).
+        Ok(unsafe {
+            std::slice::from_raw_parts(
+                self.seg.base().add(self.slot_at(r, s) + SLOT_HEAD + offset),
+                len,
+            )
+        })
+    }
+
+    fn abort(&self, blame: usize) {
+        self.word32(self.rank, BLAME)
+            .store(blame as u32 + 1, Ordering::Relaxed);
+        self.leave(ABORTED);
+    }
+}
+
+/// The round, length and header digest of this rank's last post: a read of
+/// a payload of the same length in the same round expects the same header,
+/// so its digest need not be computed again.
+#[derive(Debug, Default)]
+struct LastPost {
+    round: AtomicU64,
+    len: AtomicU64,
+    digest: AtomicU64,
+}
+
+impl LastPost {
+    fn remember(&self, round: u64, len: usize, digest: u64) {
+        // Only the rank's own (one) driving thread posts and reads.
+        self.round.store(round, Ordering::Relaxed);
+        self.len.store(len as u64, Ordering::Relaxed);
+        self.digest.store(digest, Ordering::Relaxed);
+    }
+
+    fn digest_of(&self, round: u64, len: usize) -> Option<u64> {
+        (self.round.load(Ordering::Relaxed) == round
+            && self.len.load(Ordering::Relaxed) == len as u64)
+            .then(|| self.digest.load(Ordering::Relaxed))
+    }
+}
 /// Sets up the board of a communicator of `n` ranks that all run on this
 /// host, with slots of [`board_slot_bytes`].
 ///
@@ -659,6 +627,7 @@ pub fn connect_board(
         seg,
         slot,
         calls: AtomicU64::new(0),
+        last_post: LastPost::default(),
         exits: Vec::new(),
         spin,
         window: SpinWindow::new(spin.window),
@@ -756,20 +725,13 @@ mod tests {
             repoll: false,
         };
         let (zero, one) = pair(spin);
-        let header = FrameHeader::data(
-            9,
-            0,
-            0,
-            0,
-            Fingerprint::new(CollectiveKind::Barrier, DataType::U8, 0),
-        );
         let deadline = Deadline::after(SLICE * 20);
-        let round = zero.begin(header, &deadline).expect("begin");
+        zero.begin(&deadline).expect("begin");
         // wait_for polls once, then POLLS_PER_CLOCK times before it looks at
         // the peer: the last of those polls fails, and the peer leaves.
         let polls = Cell::new(0u32);
         let last_failing_poll = POLLS_PER_CLOCK + 1;
-        let waited = round.wait_for(1, || {
+        let waited = zero.wait_for(1, &deadline, || {
             polls.set(polls.get() + 1);
             if polls.get() == last_failing_poll {
                 one.leave(CLOSED);
@@ -779,7 +741,7 @@ mod tests {
         assert!(waited.is_ok(), "{waited:?}");
         assert_eq!(polls.get(), last_failing_poll + 1, "looked again once");
         // Without the data, the same departure is a lost peer.
-        let never = round.wait_for(1, || false);
+        let never = zero.wait_for(1, &deadline, || false);
         assert!(
             matches!(never, Err(Error::PeerLost { peer: 1, .. })),
             "{never:?}"

@@ -7,12 +7,15 @@
 //! once, and a receive-and-reduce reduces them as they arrive. Waiting ranks
 //! poll briefly, then sleep on a doorbell socket until a peer wakes them.
 //!
-//! [`connect`] sets up the segments through the rendezvous store. The lower
-//! rank of a pair creates the segment and offers it; the higher rank maps it,
-//! unlinks the file and answers; so a crash leaves nothing in `/dev/shm`
-//! beyond the moment of set-up. Any failure of a pair (no `/dev/shm`, a full
-//! one) is reported for that pair, the same on both sides, so that the caller
-//! can fall back to another transport.
+//! [`ShmTransport`] is the transport's entry in a communicator's list: it
+//! connects ranks with the same host identity, and when every rank shares
+//! the host it also offers the [`Board`], one segment of group memory for
+//! the whole communicator. Its connector sets up the segments through the
+//! rendezvous store. The lower rank of a pair creates the segment and
+//! offers it; the higher rank maps it, unlinks the file and answers; so a
+//! crash leaves nothing in `/dev/shm` beyond the moment of set-up. Any
+//! failure of a pair (no `/dev/shm`, a full one) is reported for that pair,
+//! the same on both sides, so that the pair falls to the next transport.
 
 mod board;
 mod doorbell;
@@ -26,13 +29,17 @@ use std::{
         atomic::{AtomicBool, AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, Instant},
+    time::Instant,
 };
 
-use ccl_core::{Error, Link, Result, Spin, Store};
+use ccl_core::{
+    Connector, Error, GroupMemory, Link, LinkClass, LinkFuture, PairResult, PeerInfo, Result,
+    Setup, Spin, Transport,
+};
+use ccl_rendezvous::Config;
 use nix::{sys::uio::RemoteIoVec, unistd::Pid};
 
-pub use board::{board_slot_bytes, connect_board, Board, Deadline, Round};
+pub use board::{board_slot_bytes, connect_board, Board};
 pub use link::REF_MIN;
 
 use doorbell::{Bell, Doorbell};
@@ -42,55 +49,135 @@ use segment::Segment;
 /// Where segments live.
 pub const SHM_DIR: &str = "/dev/shm";
 
+/// Default of `CCL_SHM_BYTES`: 1 MiB per pair, ample since large messages
+/// go by cross-memory attach rather than through the segment.
+pub const DEFAULT_BYTES: usize = 1 << 20;
+
+/// The class of shared-memory links: each message of a schedule costs a
+/// hand-shake between two processes, so pieces are large (measured on a
+/// 2-core VM: 4 MiB pieces give 256 MiB allreduce 1.2–1.3× the bus
+/// bandwidth of 512 KiB ones), and the links progress in memory.
+pub const CLASS: LinkClass = LinkClass {
+    name: "shm",
+    piece_bytes: 4 << 20,
+    in_memory: true,
+};
+
 /// How shared-memory links are set up.
 #[derive(Clone, Debug)]
 pub struct ShmOptions {
-    /// Bytes of shared memory per pair (both rings and the control page).
+    /// Bytes of shared memory per pair (both rings and the control page),
+    /// `CCL_SHM_BYTES`.
     pub bytes: usize,
     /// Directory of the segments (a tmpfs).
     pub dir: PathBuf,
-    /// Deadline of the set-up.
-    pub timeout: Duration,
-    /// How waiting threads poll before they sleep.
-    pub spin: Spin,
     /// Read large messages straight from the peer's memory where the kernel
-    /// allows it (`false`: always copy through the ring).
+    /// allows it (`false`, `CCL_SHM_CMA=0`: always copy through the ring).
     pub cma: bool,
 }
 
 impl Default for ShmOptions {
     fn default() -> ShmOptions {
         ShmOptions {
-            bytes: ccl_rendezvous::config::DEFAULT_SHM_BYTES,
+            bytes: DEFAULT_BYTES,
             dir: PathBuf::from(SHM_DIR),
-            timeout: ccl_core::DEFAULT_TIMEOUT,
-            spin: Spin {
-                window: Duration::from_micros(50),
-                yield_between: false,
-                repoll: false,
-            },
             cma: true,
         }
     }
 }
 
-/// Identifies the host (and namespaces) this process runs in: ranks with the
-/// same identity can share memory and read each other's memory.
-///
-/// Hostname and boot id name the machine; the network, mount and PID
-/// namespaces are part of it, so ranks in separate network namespaces (how
-/// tests simulate several hosts) count as separate hosts.
-pub fn host_id() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string());
-    let link = |p: &str| std::fs::read_link(p).map(|l| l.display().to_string());
-    format!(
-        "{}/{}/{}/{}/{}",
-        read("/proc/sys/kernel/hostname").unwrap_or_default(),
-        read("/proc/sys/kernel/random/boot_id").unwrap_or_default(),
-        link("/proc/self/ns/net").unwrap_or_default(),
-        link("/proc/self/ns/mnt").unwrap_or_default(),
-        link("/proc/self/ns/pid").unwrap_or_default(),
-    )
+impl ShmOptions {
+    /// The options `CCL_SHM_BYTES` (64 KiB to 1 GiB) and `CCL_SHM_CMA` set.
+    pub fn from_config(config: &Config) -> Result<ShmOptions> {
+        Ok(ShmOptions {
+            bytes: config.knob_number("CCL_SHM_BYTES", DEFAULT_BYTES, 64 * 1024..=1 << 30)?,
+            cma: config.knob_flag("CCL_SHM_CMA", true)?,
+            ..ShmOptions::default()
+        })
+    }
+}
+
+/// Shared memory between ranks of one host (see the crate docs).
+#[derive(Clone, Debug, Default)]
+pub struct ShmTransport {
+    options: ShmOptions,
+}
+
+impl ShmTransport {
+    /// The transport with these options.
+    pub fn new(options: ShmOptions) -> ShmTransport {
+        ShmTransport { options }
+    }
+
+    /// The transport with the options `config` sets ([`ShmOptions::from_config`]).
+    pub fn from_config(config: &Config) -> Result<ShmTransport> {
+        Ok(ShmTransport::new(ShmOptions::from_config(config)?))
+    }
+}
+
+/// Logs the first board that could not be set up in this process.
+static BOARD_REFUSED: AtomicBool = AtomicBool::new(false);
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn class(&self) -> LinkClass {
+        CLASS
+    }
+
+    fn can_connect(&self, a: &PeerInfo, b: &PeerInfo) -> bool {
+        a.host == b.host
+    }
+
+    fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(ShmConnector {
+            setup: setup.clone(),
+            options: self.options.clone(),
+        }))
+    }
+
+    fn connect_group(&self, setup: &Setup, spin: Spin) -> Result<Option<Arc<dyn GroupMemory>>> {
+        let board = connect_board(
+            setup.rank,
+            setup.world_size,
+            setup.comm,
+            &*setup.store,
+            &self.options.dir,
+            setup.timeout,
+            spin,
+        )?;
+        Ok(match board {
+            Ok(b) => Some(Arc::new(b)),
+            Err(why) => {
+                if !BOARD_REFUSED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        rank = setup.rank,
+                        "shared-memory board unavailable, collectives use the links: {why}"
+                    );
+                }
+                None
+            }
+        })
+    }
+}
+
+/// The second phase of [`ShmTransport`]'s set-up.
+struct ShmConnector {
+    setup: Setup,
+    options: ShmOptions,
+}
+
+impl Connector for ShmConnector {
+    fn connect<'a>(
+        self: Box<Self>,
+        peers: &'a [usize],
+        spin: Spin,
+    ) -> LinkFuture<'a, Vec<PairResult>> {
+        // Runs when polled, inside the runtime whose reactor serves the links.
+        Box::pin(async move { connect(&self.setup, peers, &self.options, spin) })
+    }
 }
 
 /// What one side of a pair tells the other through the store.
@@ -169,28 +256,25 @@ fn process_vm_read(pid: Pid, addr: u64, into: &mut [u8]) -> nix::Result<usize> {
     )
 }
 
-/// The outcome for one peer: a link, or why shared memory cannot be used with it.
-pub type PairResult = std::result::Result<Arc<dyn Link>, String>;
-
-/// Sets up shared-memory links from `rank` to each of `peers` (ranks of this
-/// host), through `store` (scoped to the communicator `comm`). Every peer must
-/// call this with `rank` among its peers. Must run inside a tokio runtime,
+/// Sets up shared-memory links from `setup.rank` to each of `peers` (ranks
+/// of this host), through the communicator's store. Every peer must call
+/// this with this rank among its peers. Must run inside a tokio runtime,
 /// whose reactor then serves the links.
 ///
 /// Returns one result per peer, in the order of `peers`. A pair that cannot
 /// use shared memory fails on both sides with a reason; a store failure or the
 /// deadline fails the whole call.
-pub fn connect(
-    rank: usize,
-    comm: u64,
-    store: &dyn Store,
+fn connect(
+    setup: &Setup,
     peers: &[usize],
     opts: &ShmOptions,
+    spin: Spin,
 ) -> Result<Vec<PairResult>> {
     if peers.is_empty() {
         return Ok(Vec::new());
     }
-    let deadline = Instant::now() + opts.timeout;
+    let (rank, comm, store) = (setup.rank, setup.comm, &*setup.store);
+    let deadline = Instant::now() + setup.timeout;
     let left = || deadline.saturating_duration_since(Instant::now());
     let cap = link::capacity(opts.bytes);
     if cap < 4096 {
@@ -223,7 +307,7 @@ pub fn connect(
             bell.clone(),
             peer_bell,
             Pid::from_raw(o.pid),
-            opts.spin,
+            spin,
         )))
     };
 

@@ -41,8 +41,8 @@ use std::{
 
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
-    op, AbortNotice, AlignedBuf, Error, FrameHeader, FrameKind, Link, LinkFuture, Reduction,
-    Result, Spin,
+    AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
+    Reduction, Repoll, Result, Spin,
 };
 use nix::{
     sys::uio::{process_vm_readv, RemoteIoVec},
@@ -282,7 +282,7 @@ impl ShmLink {
                     self.unless_ready(&mut ready, "it closed the shared-memory link"),
                 );
             }
-            if ccl_core::repolling() {
+            if Repoll::is(cx) {
                 return Poll::Pending;
             }
             if started.elapsed() < window {
@@ -516,8 +516,8 @@ impl ShmLink {
                 }
                 Sink::Reduce(into, r) => {
                     self.read_inline(pos, into.len(), |off, p| {
-                        let local = r.local.map(|l| &l[off..off + p.len()]);
-                        op::reduce(r.op, r.dtype, &mut into[off..off + p.len()], local, p)
+                        let into = BufMut::from_host(&mut into[off..off + p.len()]);
+                        r.apply(into, off, BufRef::from_host(p))
                     })
                     .await?;
                 }
@@ -535,8 +535,8 @@ impl ShmLink {
                     let n = REDUCE_PIECE.min(into.len() - off);
                     let piece = &mut scratch.as_mut_slice()[..n];
                     result = self.read_remote(addr + off as u64, piece).and_then(|()| {
-                        let local = r.local.map(|l| &l[off..off + n]);
-                        op::reduce(r.op, r.dtype, &mut into[off..off + n], local, piece)
+                        let into = BufMut::from_host(&mut into[off..off + n]);
+                        r.apply(into, off, BufRef::from_host(piece))
                     });
                     off += n;
                 }
@@ -629,26 +629,29 @@ impl Link for ShmLink {
         self.peer
     }
 
-    fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
+    fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            match self.send_frame(header, data).await {
+            match self.send_frame(header, data.host()?).await {
                 Err(e @ Error::PeerLost { .. }) => Err(self.pending_abort(e)),
                 r => r,
             }
         })
     }
 
-    fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
-        Box::pin(self.recv_frame(expect, Sink::Copy(into)))
+    fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move { self.recv_frame(expect, Sink::Copy(into.host()?)).await })
     }
 
     fn recv_reduce<'a>(
         &'a self,
         expect: FrameHeader,
-        into: &'a mut [u8],
+        into: BufMut<'a>,
         reduction: Reduction<'a>,
     ) -> LinkFuture<'a, ()> {
-        Box::pin(self.recv_frame(expect, Sink::Reduce(into, reduction)))
+        Box::pin(async move {
+            let into = into.host()?;
+            self.recv_frame(expect, Sink::Reduce(into, reduction)).await
+        })
     }
 
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {

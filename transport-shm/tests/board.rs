@@ -8,9 +8,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Spin, Store};
+use ccl_core::{
+    CollectiveKind, DataType, Deadline, Error, Fingerprint, FrameHeader, GroupMemory, Spin, Store,
+};
 use ccl_rendezvous::HashStore;
-use ccl_transport_shm::{connect_board, Board, Deadline, SHM_DIR};
+use ccl_transport_shm::{connect_board, Board, SHM_DIR};
 
 const SPIN: Spin = Spin {
     window: Duration::from_micros(20),
@@ -21,6 +23,14 @@ const SPIN: Spin = Spin {
 fn header(seq: u64, count: usize) -> FrameHeader {
     let fp = Fingerprint::new(CollectiveKind::AllGather, DataType::U8, count);
     FrameHeader::data(7, seq, 0, 0, fp)
+}
+
+/// `header` with a payload of `len` bytes.
+fn sized(header: FrameHeader, len: usize) -> FrameHeader {
+    FrameHeader {
+        len: len as u64,
+        ..header
+    }
 }
 
 /// A deadline for one board call (leaked: the tests make a few hundred).
@@ -71,24 +81,24 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
             let block = len / n;
             for round in 0..200u64 {
                 let mine = vec![(rank as u8) ^ round as u8; len];
-                let r = board
-                    .begin(header(round, len), within(Duration::from_secs(10)))
-                    .unwrap();
-                r.post(&mine).unwrap();
+                let (h, d) = (header(round, len), within(Duration::from_secs(10)));
+                let b = board.begin(d).unwrap();
+                board.post(b, &sized(h, mine.len()), &[(0, &mine)]).unwrap();
                 // Phase 1: every rank's block `rank` of every payload.
                 let mut sum = vec![0u8; block];
                 for p in 0..n {
-                    let got = &r.read(p, len).unwrap()[rank * block..(rank + 1) * block];
+                    let got = &board.read(b, p, &sized(h, len), d).unwrap()
+                        [rank * block..(rank + 1) * block];
                     assert!(got.iter().all(|&b| b == (p as u8) ^ round as u8));
                     for (s, g) in sum.iter_mut().zip(got) {
                         *s = s.wrapping_add(*g);
                     }
                 }
-                r.post_reduced(&[(rank * block, &sum[..])]).unwrap();
+                board.post_reduced(b, &[(rank * block, &sum[..])]).unwrap();
                 // Phase 2: every rank's result.
                 for p in 0..n {
                     let want: u8 = (0..n).fold(0u8, |a, q| a.wrapping_add((q as u8) ^ round as u8));
-                    let got = r.read_reduced(p, p * block, block).unwrap();
+                    let got = board.read_reduced(b, p, p * block, block, d).unwrap();
                     assert!(
                         got.iter().all(|&b| b == want),
                         "rank {rank} round {round} from {p}"
@@ -108,12 +118,11 @@ fn every_rank_reads_every_post_over_many_rounds() {
                 let mine: Vec<u8> = (0..len)
                     .map(|i| (rank * 31 + i) as u8 ^ round as u8)
                     .collect();
-                let r = board
-                    .begin(header(round, len), within(Duration::from_secs(10)))
-                    .unwrap();
-                r.post(&mine).unwrap();
+                let (h, d) = (header(round, len), within(Duration::from_secs(10)));
+                let b = board.begin(d).unwrap();
+                board.post(b, &sized(h, mine.len()), &[(0, &mine)]).unwrap();
                 for p in 0..n {
-                    let got = r.read(p, len).unwrap();
+                    let got = board.read(b, p, &sized(h, len), d).unwrap();
                     let want: Vec<u8> =
                         (0..len).map(|i| (p * 31 + i) as u8 ^ round as u8).collect();
                     assert_eq!(got, &want[..], "rank {rank} round {round} from {p}");
@@ -126,11 +135,12 @@ fn every_rank_reads_every_post_over_many_rounds() {
 #[test]
 fn different_calls_are_a_mismatch_on_both_sides() {
     let errors = ranks(2, |rank, board| {
-        let r = board
-            .begin(header(1, 4 + rank), within(Duration::from_secs(10)))
+        let (h, d) = (header(1, 4 + rank), within(Duration::from_secs(10)));
+        let b = board.begin(d).unwrap();
+        board
+            .post(b, &sized(h, 4 + rank), &[(0, &vec![0u8; 4 + rank])])
             .unwrap();
-        r.post(&vec![0u8; 4 + rank]).unwrap();
-        r.read(1 - rank, 4 + rank).unwrap_err()
+        board.read(b, 1 - rank, &sized(h, 4 + rank), d).unwrap_err()
     });
     for (rank, e) in errors.iter().enumerate() {
         assert!(
@@ -151,11 +161,10 @@ fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duratio
             return None;
         }
         let started = Instant::now();
-        let r = board
-            .begin(header(1, 0), within(Duration::from_secs(10)))
-            .unwrap();
-        r.post(&[]).unwrap();
-        let e = r.read(0, 0).unwrap_err();
+        let (h, d) = (header(1, 0), within(Duration::from_secs(10)));
+        let b = board.begin(d).unwrap();
+        board.post(b, &h, &[]).unwrap();
+        let e = board.read(b, 0, &h, d).unwrap_err();
         Some((e, started.elapsed()))
     });
     out.into_iter().flatten().next().expect("rank 1 result")
@@ -192,11 +201,10 @@ fn a_silent_peer_is_a_timeout() {
             return None;
         }
         let started = Instant::now();
-        let r = board
-            .begin(header(1, 0), within(Duration::from_millis(300)))
-            .unwrap();
-        r.post(&[]).unwrap();
-        Some((r.read(0, 0).unwrap_err(), started.elapsed()))
+        let (h, d) = (header(1, 0), within(Duration::from_millis(300)));
+        let b = board.begin(d).unwrap();
+        board.post(b, &h, &[]).unwrap();
+        Some((board.read(b, 0, &h, d).unwrap_err(), started.elapsed()))
     });
     let (e, took) = out.into_iter().flatten().next().unwrap();
     assert!(matches!(e, Error::Timeout { .. }), "{e}");

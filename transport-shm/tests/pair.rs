@@ -6,33 +6,36 @@ use std::{sync::Arc, thread, time::Duration};
 use tokio::runtime::Runtime;
 
 use ccl_core::{
-    AbortNotice, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link, ReduceOp,
-    Reduction, Spin, Store,
+    AbortNotice, BufMut, BufRef, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link,
+    ReduceOp, Reduction, Setup, Spin, Store, Transport, HOST_KERNELS,
 };
 use ccl_rendezvous::HashStore;
-use ccl_transport_shm::{connect, ShmOptions, REF_MIN};
+use ccl_transport_shm::{ShmOptions, ShmTransport, REF_MIN};
 
 fn header(step: u32, len: usize) -> FrameHeader {
     let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, len);
     FrameHeader::data(9, 1, step, len, fp)
 }
 
-fn opts(bytes: usize, spin_us: u64) -> ShmOptions {
-    ShmOptions {
-        bytes,
-        timeout: Duration::from_secs(20),
-        spin: Spin {
-            window: Duration::from_micros(spin_us),
-            yield_between: false,
-            repoll: false,
+/// Options with `bytes` per pair, and how long waiters spin.
+fn opts(bytes: usize, spin_us: u64) -> (ShmOptions, Spin) {
+    let spin = Spin {
+        window: Duration::from_micros(spin_us),
+        yield_between: false,
+        repoll: false,
+    };
+    (
+        ShmOptions {
+            bytes,
+            ..ShmOptions::default()
         },
-        ..ShmOptions::default()
-    }
+        spin,
+    )
 }
 
 /// Runs `f(rank, link)` on two threads joined by one link.
 fn pair<T: Send + 'static>(
-    o: ShmOptions,
+    (o, spin): (ShmOptions, Spin),
     f: impl Fn(usize, Arc<dyn Link>, &Runtime) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let store: Arc<dyn Store> = Arc::new(HashStore::new());
@@ -46,7 +49,16 @@ fn pair<T: Send + 'static>(
                     .build()
                     .unwrap();
                 let _guard = rt.enter();
-                let mut links = connect(rank, 9, &*store, &[1 - rank], &o).unwrap();
+                let setup = Setup {
+                    rank,
+                    world_size: 2,
+                    comm: 9,
+                    store,
+                    timeout: Duration::from_secs(20),
+                    secret: None,
+                };
+                let connector = ShmTransport::new(o).prepare(&setup).unwrap();
+                let mut links = rt.block_on(connector.connect(&[1 - rank], spin)).unwrap();
                 let link = links.pop().unwrap().expect("shared memory works here");
                 f(rank, link, &rt)
             })
@@ -90,7 +102,11 @@ fn messages_of_every_size_arrive_intact() {
                 let out = pattern(len, rank as u8);
                 let mut got = vec![0u8; len];
                 block_on(rt, async {
-                    let (s, r) = futures_join(link.send(h, &out), link.recv(h, &mut got)).await;
+                    let (s, r) = futures_join(
+                        link.send(h, BufRef::from_host(&out)),
+                        link.recv(h, BufMut::from_host(&mut got)),
+                    )
+                    .await;
                     s.unwrap();
                     r.unwrap();
                 });
@@ -120,10 +136,14 @@ fn recv_reduce_adds_inline_and_by_reference() {
                 let red = Reduction {
                     op: ReduceOp::Sum,
                     dtype: DataType::F32,
-                    local: Some(&mine),
+                    local: Some(BufRef::from_host(&mine)),
+                    kernels: &HOST_KERNELS,
                 };
-                let (s, r) =
-                    futures_join(link.send(h, &mine), link.recv_reduce(h, &mut acc, red)).await;
+                let (s, r) = futures_join(
+                    link.send(h, BufRef::from_host(&mine)),
+                    link.recv_reduce(h, BufMut::from_host(&mut acc), red),
+                )
+                .await;
                 s.unwrap();
                 r.unwrap();
             });
@@ -140,7 +160,9 @@ fn mismatched_header_is_named() {
     let errs = pair(opts(1 << 20, 0), |rank, link, rt| {
         block_on(rt, async {
             if rank == 0 {
-                link.send(header(0, 8), &[0; 8]).await.unwrap();
+                link.send(header(0, 8), BufRef::from_host(&[0; 8]))
+                    .await
+                    .unwrap();
                 None
             } else {
                 let other = FrameHeader::data(
@@ -150,7 +172,11 @@ fn mismatched_header_is_named() {
                     8,
                     Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, 8),
                 );
-                Some(link.recv(other, &mut [0; 8]).await.unwrap_err())
+                Some(
+                    link.recv(other, BufMut::from_host(&mut [0; 8]))
+                        .await
+                        .unwrap_err(),
+                )
             }
         })
     });
@@ -181,7 +207,11 @@ fn abort_notice_reaches_a_waiting_receiver() {
                 link.abort(&notice).await.unwrap();
                 None
             } else {
-                Some(link.recv(header(0, 8), &mut [0; 8]).await.unwrap_err())
+                Some(
+                    link.recv(header(0, 8), BufMut::from_host(&mut [0; 8]))
+                        .await
+                        .unwrap_err(),
+                )
             }
         })
     });
@@ -208,7 +238,13 @@ fn a_dropped_peer_fails_a_waiting_sender_by_reference() {
             None
         } else {
             let data = vec![7u8; 1 << 20];
-            Some(block_on(rt, link.send(header(0, data.len()), &data)).unwrap_err())
+            Some(
+                block_on(
+                    rt,
+                    link.send(header(0, data.len()), BufRef::from_host(&data)),
+                )
+                .unwrap_err(),
+            )
         }
     });
     assert!(

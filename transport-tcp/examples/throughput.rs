@@ -13,7 +13,8 @@ use std::{
 };
 
 use ccl_core::{
-    AlignedBuf, CollectiveKind, DataType, Fingerprint, FrameHeader, Link, ReduceOp, Reduction,
+    AlignedBuf, BufMut, BufRef, CollectiveKind, DataType, Fingerprint, FrameHeader, Link, ReduceOp,
+    Reduction, Setup, HOST_KERNELS,
 };
 use ccl_rendezvous::HashStore;
 use ccl_transport_tcp::{connect_mesh, TcpOptions};
@@ -49,10 +50,12 @@ async fn rank_main(
             let (s_data, s_ack) = (next(), next());
             if rank == 0 {
                 let t = Instant::now();
-                link.send(header(s_data, bytes), buf.as_slice())
+                link.send(header(s_data, bytes), BufRef::from_host(buf.as_slice()))
                     .await
                     .unwrap();
-                link.recv(header(s_ack, 0), &mut []).await.unwrap();
+                link.recv(header(s_ack, 0), BufMut::from_host(&mut []))
+                    .await
+                    .unwrap();
                 if reduce { &mut reduced } else { &mut plain }.push(t.elapsed());
             } else {
                 if reduce {
@@ -60,16 +63,23 @@ async fn rank_main(
                         op: ReduceOp::Sum,
                         dtype: DataType::F32,
                         local: None,
+                        kernels: &HOST_KERNELS,
                     };
-                    link.recv_reduce(header(s_data, bytes), buf.as_mut_slice(), red)
-                        .await
-                        .unwrap();
+                    link.recv_reduce(
+                        header(s_data, bytes),
+                        BufMut::from_host(buf.as_mut_slice()),
+                        red,
+                    )
+                    .await
+                    .unwrap();
                 } else {
-                    link.recv(header(s_data, bytes), buf.as_mut_slice())
+                    link.recv(header(s_data, bytes), BufMut::from_host(buf.as_mut_slice()))
                         .await
                         .unwrap();
                 }
-                link.send(header(s_ack, 0), &[]).await.unwrap();
+                link.send(header(s_ack, 0), BufRef::from_host(&[]))
+                    .await
+                    .unwrap();
             }
         }
     }
@@ -78,11 +88,19 @@ async fn rank_main(
     for _ in 0..PINGS {
         let (a, b) = (next(), next());
         if rank == 0 {
-            link.send(header(a, 8), &small).await.unwrap();
-            link.recv(header(b, 8), &mut small).await.unwrap();
+            link.send(header(a, 8), BufRef::from_host(&small))
+                .await
+                .unwrap();
+            link.recv(header(b, 8), BufMut::from_host(&mut small))
+                .await
+                .unwrap();
         } else {
-            link.recv(header(a, 8), &mut small).await.unwrap();
-            link.send(header(b, 8), &small).await.unwrap();
+            link.recv(header(a, 8), BufMut::from_host(&mut small))
+                .await
+                .unwrap();
+            link.send(header(b, 8), BufRef::from_host(&small))
+                .await
+                .unwrap();
         }
     }
     let rtt = t.elapsed() / PINGS as u32;
@@ -108,23 +126,30 @@ fn main() {
     }
     let bytes = mib << 20;
     for nsocks in socks {
-        let store = HashStore::new();
+        let store = Arc::new(HashStore::new());
         let opts = TcpOptions {
             nsocks,
-            timeout: Duration::from_secs(10),
             ..TcpOptions::default()
         };
         let results: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2)
                 .map(|rank| {
-                    let (store, opts) = (&store, &opts);
+                    let setup = Setup {
+                        rank,
+                        world_size: 2,
+                        comm: 1,
+                        store: store.clone(),
+                        timeout: Duration::from_secs(10),
+                        secret: None,
+                    };
+                    let opts = &opts;
                     s.spawn(move || {
                         let rt = tokio::runtime::Builder::new_current_thread()
                             .enable_all()
                             .build()
                             .unwrap();
                         rt.block_on(async {
-                            let links = connect_mesh(rank, 2, 1, store, opts).await.unwrap();
+                            let links = connect_mesh(&setup, opts).await.unwrap();
                             let link = links.into_iter().flatten().next().unwrap();
                             rank_main(rank, link, bytes).await
                         })

@@ -1,10 +1,11 @@
 //! ccl-transport-tcp: [`Link`](ccl_core::Link)s over TCP, built with tokio.
 //!
-//! [`connect_mesh`] connects one rank to every other rank of a communicator
-//! (a full mesh): each rank binds a listener, publishes its address in the
-//! rendezvous [`Store`](ccl_core::Store) under `addr/{rank}`, and then the
-//! higher rank of every pair connects to the lower one, `nsocks` sockets per
-//! pair. Every new socket starts with the job-secret challenge-response
+//! [`TcpTransport`] is the transport's entry in a communicator's list; it
+//! can connect any pair. In its first phase each rank binds a listener and
+//! publishes its address in the rendezvous [`Store`](ccl_core::Store) under
+//! `addr/{rank}`; in the second, the higher rank of every pair it was given
+//! connects to the lower one, `nsocks` sockets per pair ([`connect_mesh`]
+//! does both for every pair at once). Every new socket starts with the job-secret challenge-response
 //! ([`ccl_core::auth`]; the acceptor challenges, both sides prove the secret)
 //! and then a small handshake (magic, version, communicator id, ranks, socket
 //! index), so that strangers and connections of other communicators are turned
@@ -17,21 +18,31 @@
 //! Receives read straight into the caller's buffer; receive-and-reduce reads
 //! in pieces of [`REDUCE_PIECE`] bytes and reduces each piece as it arrives.
 //!
-//! Links use tokio types registered with the runtime in whose context
-//! [`connect_mesh`] ran; drive them from that runtime.
+//! Links use tokio types registered with the runtime in whose context they
+//! were connected; drive them from that runtime.
 
 mod link;
 mod mesh;
 
-use std::{
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket},
-    time::Duration,
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+
+use ccl_core::{
+    Connector, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
 };
+use ccl_rendezvous::{Config, Rendezvous};
 
 pub use link::{REDUCE_PIECE, STRIPE_MIN};
 pub use mesh::connect_mesh;
 #[doc(hidden)]
 pub use mesh::fuzz_decode as fuzz_decode_handshake;
+
+/// The class of TCP links: messages of a schedule are pipelined in pieces
+/// of 512 KiB, and the links need the runtime's reactor to make progress.
+pub const CLASS: LinkClass = LinkClass {
+    name: "tcp",
+    piece_bytes: 512 * 1024,
+    in_memory: false,
+};
 
 /// How to build TCP links.
 #[derive(Clone, Debug)]
@@ -41,14 +52,9 @@ pub struct TcpOptions {
     /// Network interface (`CCL_SOCKET_IFNAME`) whose address to listen on:
     /// its IPv4 address if it has one, else its IPv6 address.
     pub interface: Option<String>,
-    /// Address to listen on when no interface is named (the facade passes the
-    /// route to `MASTER_ADDR`); `127.0.0.1` when neither is given.
+    /// Address to listen on when no interface is named (the route to
+    /// `MASTER_ADDR`, from a config); `127.0.0.1` when neither is given.
     pub local_ip: Option<IpAddr>,
-    /// Deadline for the whole mesh set-up (store rendezvous and connections).
-    pub timeout: Duration,
-    /// The job secret (`CCL_JOB_SECRET`) every socket proves, both ways,
-    /// before anything else; `None`: unauthenticated (logged once).
-    pub secret: Option<ccl_core::JobSecret>,
 }
 
 impl Default for TcpOptions {
@@ -57,9 +63,69 @@ impl Default for TcpOptions {
             nsocks: 1,
             interface: None,
             local_ip: None,
-            timeout: Duration::from_secs(60),
-            secret: None,
         }
+    }
+}
+
+impl TcpOptions {
+    /// The options `CCL_NSOCKS` (1 to 64) and `CCL_SOCKET_IFNAME` set, with
+    /// the local address of the route to the TCP store's host.
+    pub fn from_config(config: &Config) -> Result<TcpOptions> {
+        let local_ip = match &config.rendezvous {
+            Rendezvous::Tcp { host, port, .. } => route_to(host, *port),
+            _ => None,
+        };
+        Ok(TcpOptions {
+            nsocks: config.knob_number("CCL_NSOCKS", 1, 1..=64)?,
+            interface: config.knob("CCL_SOCKET_IFNAME").map(str::to_string),
+            local_ip,
+        })
+    }
+}
+
+/// TCP links between any two ranks (see the crate docs).
+#[derive(Clone, Debug, Default)]
+pub struct TcpTransport {
+    options: TcpOptions,
+}
+
+impl TcpTransport {
+    /// The transport with these options.
+    pub fn new(options: TcpOptions) -> TcpTransport {
+        TcpTransport { options }
+    }
+
+    /// The transport with the options `config` sets ([`TcpOptions::from_config`]).
+    pub fn from_config(config: &Config) -> Result<TcpTransport> {
+        Ok(TcpTransport::new(TcpOptions::from_config(config)?))
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn class(&self) -> LinkClass {
+        CLASS
+    }
+
+    fn can_connect(&self, _: &PeerInfo, _: &PeerInfo) -> bool {
+        true
+    }
+
+    fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(mesh::listen_and_publish(setup, &self.options)?))
+    }
+}
+
+impl Connector for mesh::Listening {
+    fn connect<'a>(
+        self: Box<Self>,
+        peers: &'a [usize],
+        _: Spin,
+    ) -> LinkFuture<'a, Vec<PairResult>> {
+        Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })
     }
 }
 

@@ -11,8 +11,8 @@ use std::{
 
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
-    op, AbortNotice, AlignedBuf, DataType, Error, FrameHeader, FrameKind, Link, LinkFuture,
-    ReduceOp, Reduction, Result,
+    AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
+    Reduction, Result,
 };
 use futures::future::try_join_all;
 use tokio::{
@@ -390,7 +390,8 @@ impl TcpLink {
         reduction: Reduction<'_>,
     ) -> Result<()> {
         self.check_len(&expect, into.len())?;
-        let Reduction { op, dtype, local } = reduction;
+        let dtype = reduction.dtype;
+        let local = reduction.local.map(BufRef::host).transpose()?;
         // Check what the kernel would reject before reading, so that a bad
         // buffer fails without leaving the stream in the middle of a frame.
         let size = dtype.size();
@@ -408,20 +409,22 @@ impl TcpLink {
             )));
         }
         if !self.striped(into.len()) {
-            return self.reduce_stripe(0, &expect, into, local, op, dtype).await;
+            return self
+                .reduce_stripe(0, &expect, into, local, &reduction)
+                .await;
         }
         let n = self.socks.len();
         let locals: Vec<Option<&[u8]>> = match local {
             Some(l) => split_stripes(l, n).into_iter().map(Some).collect(),
             None => vec![None; n],
         };
-        let expect = &expect;
+        let (expect, reduction) = (&expect, &reduction);
         try_join_all(
             split_stripes_mut(into, n)
                 .into_iter()
                 .zip(locals)
                 .enumerate()
-                .map(|(i, (part, local))| self.reduce_stripe(i, expect, part, local, op, dtype)),
+                .map(|(i, (part, local))| self.reduce_stripe(i, expect, part, local, reduction)),
         )
         .await?;
         Ok(())
@@ -433,8 +436,7 @@ impl TcpLink {
         expect: &FrameHeader,
         part: &mut [u8],
         local: Option<&[u8]>,
-        op: ReduceOp,
-        dtype: DataType,
+        reduction: &Reduction<'_>,
     ) -> Result<()> {
         let mut guard = self.socks[i].rd.lock().await;
         let ReadSide { half, scratch } = &mut *guard;
@@ -454,12 +456,12 @@ impl TcpLink {
                 }
             }
             let r = off..off + piece;
-            op::reduce(
-                op,
-                dtype,
-                &mut part[r.clone()],
-                local.map(|l| &l[r]),
-                &scratch[..piece],
+            reduction.kernels.reduce(
+                reduction.op,
+                reduction.dtype,
+                BufMut::from_host(&mut part[r.clone()]),
+                local.map(|l| BufRef::from_host(&l[r])),
+                BufRef::from_host(&scratch[..piece]),
             )?;
             off += piece;
             filled = 0;
@@ -508,21 +510,24 @@ impl Link for TcpLink {
         self.peer
     }
 
-    fn send<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> LinkFuture<'a, ()> {
-        Box::pin(self.send_frame(header, data))
+    fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move { self.send_frame(header, data.host()?).await })
     }
 
-    fn recv<'a>(&'a self, expect: FrameHeader, into: &'a mut [u8]) -> LinkFuture<'a, ()> {
-        Box::pin(self.recv_frame(expect, into))
+    fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move { self.recv_frame(expect, into.host()?).await })
     }
 
     fn recv_reduce<'a>(
         &'a self,
         expect: FrameHeader,
-        into: &'a mut [u8],
+        into: BufMut<'a>,
         reduction: Reduction<'a>,
     ) -> LinkFuture<'a, ()> {
-        Box::pin(self.recv_reduce_frame(expect, into, reduction))
+        Box::pin(async move {
+            self.recv_reduce_frame(expect, into.host()?, reduction)
+                .await
+        })
     }
 
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
@@ -533,7 +538,7 @@ impl Link for TcpLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ccl_core::{CollectiveKind, Fingerprint};
+    use ccl_core::{CollectiveKind, DataType, Fingerprint, ReduceOp, HOST_KERNELS};
     use tokio::{io::AsyncWriteExt, net::TcpListener};
 
     #[test]
@@ -588,7 +593,10 @@ mod tests {
             let (link, mut raw) = raw_pair().await;
             raw.write_all(&[0xab; HEADER_LEN + 8]).await.unwrap();
             let mut into = [0u8; 8];
-            let e = link.recv(header(8), &mut into).await.unwrap_err();
+            let e = link
+                .recv(header(8), BufMut::from_host(&mut into))
+                .await
+                .unwrap_err();
             assert!(
                 matches!(
                     e,
@@ -616,7 +624,10 @@ mod tests {
             let mut h = notice.header(5);
             h.len = 1 << 40;
             raw.write_all(&h.encode()).await.unwrap();
-            let e = link.recv(header(0), &mut []).await.unwrap_err();
+            let e = link
+                .recv(header(0), BufMut::from_host(&mut []))
+                .await
+                .unwrap_err();
             assert!(matches!(e, Error::Protocol { .. }), "{e}");
         })
         .await
@@ -631,7 +642,7 @@ mod tests {
             raw.write_all(&[1; 10]).await.unwrap();
             drop(raw);
             let mut into = vec![0u8; 1000];
-            let e = link.recv(header(1000), &mut into).await.unwrap_err();
+            let e = link.recv(header(1000), BufMut::from_host(&mut into)).await.unwrap_err();
             assert!(matches!(&e, Error::PeerLost { peer: 1, cause, .. } if cause == "connection closed"), "{e}");
         })
         .await
@@ -642,11 +653,11 @@ mod tests {
     async fn wrong_lengths_are_internal_errors() {
         let (link, _raw) = raw_pair().await;
         assert!(matches!(
-            link.send(header(3), &[1, 2]).await,
+            link.send(header(3), BufRef::from_host(&[1, 2])).await,
             Err(Error::Internal(_))
         ));
         assert!(matches!(
-            link.recv(header(3), &mut [0; 2]).await,
+            link.recv(header(3), BufMut::from_host(&mut [0; 2])).await,
             Err(Error::Internal(_))
         ));
         let mut buf = AlignedBuf::zeroed(64);
@@ -654,11 +665,12 @@ mod tests {
             op: ReduceOp::Sum,
             dtype: DataType::F32,
             local: None,
+            kernels: &HOST_KERNELS,
         };
         let mut h = header(6);
         h.fingerprint.dtype = DataType::F32;
         let e = link
-            .recv_reduce(h, &mut buf.as_mut_slice()[..6], red)
+            .recv_reduce(h, BufMut::from_host(&mut buf.as_mut_slice()[..6]), red)
             .await
             .unwrap_err();
         assert!(matches!(e, Error::Internal(_)), "{e}");

@@ -1,4 +1,5 @@
-//! Building the full mesh: listen, rendezvous through the store, connect and accept.
+//! Building TCP links: listen and publish the address, then connect to
+//! the lower peers and accept the higher ones.
 
 use std::{
     fmt::Write as _,
@@ -7,13 +8,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{Error, JobSecret, Link, Result, Store};
+use ccl_core::{Error, JobSecret, Link, Result, Setup};
 use ccl_rendezvous::auth::{self, Acceptor, Answer, AuthError};
 use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpSocket, TcpStream},
+    sync::Notify,
 };
 
 use crate::{link::TcpLink, TcpOptions};
@@ -109,27 +111,32 @@ fn lock(p: &Mutex<Progress>) -> MutexGuard<'_, Progress> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Connects `rank` to every other rank of a communicator of `world_size`
-/// ranks through `store` (a full mesh). Returns one entry per rank: `None` at
-/// index `rank`, a link elsewhere. `comm_id` goes into every handshake and
-/// identifies the communicator.
-///
-/// Store calls block the calling thread (they run first: publish this rank's
-/// listening address, wait for the addresses of lower ranks); then this rank
-/// connects to every lower rank and accepts every higher rank, `opts.nsocks`
-/// sockets each, all within `opts.timeout` of the start.
-pub async fn connect_mesh(
-    rank: usize,
-    world_size: usize,
-    comm_id: u64,
-    store: &dyn Store,
-    opts: &TcpOptions,
-) -> Result<Vec<Option<Arc<dyn Link>>>> {
-    let started = Instant::now();
-    // A timeout too large to add is as good as none.
-    let deadline = started
-        .checked_add(opts.timeout)
-        .unwrap_or_else(|| started + Duration::from_secs(1 << 30));
+/// The first phase of a rank's TCP set-up: its listener is open, its
+/// address published as `addr/{rank}`, and a task on the runtime accepts
+/// and authenticates connections, so that peers (and strangers, who are
+/// refused) are served while this rank still waits for the others.
+pub(crate) struct Listening {
+    setup: Setup,
+    shared: Arc<Shared>,
+    started: Instant,
+    /// The accepting task, stopped when the set-up is over.
+    _acceptor: AbortOnDrop,
+}
+
+/// Stops a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Listens on the address `opts` names, publishes it through the
+/// communicator's store (a blocking store call) and starts accepting on the
+/// current runtime.
+pub(crate) fn listen_and_publish(setup: &Setup, opts: &TcpOptions) -> Result<Listening> {
+    let (rank, world_size) = (setup.rank, setup.world_size);
     if rank >= world_size || world_size > u32::MAX as usize {
         return Err(Error::InvalidArgument(format!(
             "rank {rank} in a world of {world_size} ranks"
@@ -141,108 +148,166 @@ pub async fn connect_mesh(
             opts.nsocks
         )));
     }
-    if world_size == 1 {
-        return Ok(vec![None]);
-    }
-    if opts.secret.is_none() {
+    if setup.secret.is_none() {
         auth::warn_unauthenticated();
     }
-    let nsocks = opts.nsocks;
-
-    // Listen, publish, and learn the addresses of the ranks to connect to.
+    let started = Instant::now();
     let bind = local_address(opts)?;
-    let listener = listen(bind, world_size * nsocks + 16)?;
+    let listener = listen(bind, world_size * opts.nsocks + 16)?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("reading the listening address", e))?;
-    store.set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
-    tracing::debug!(rank, %addr, "listening");
-    let keys: Vec<String> = (0..rank).map(|p| format!("addr/{p}")).collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    match store.wait(
-        &key_refs,
-        deadline.saturating_duration_since(Instant::now()),
-    ) {
-        Ok(()) => {}
-        Err(Error::Timeout { .. }) => {
-            let missing: Vec<usize> = (0..rank)
-                .filter(|p| !matches!(store.try_get(&keys[*p]), Ok(Some(_))))
-                .collect();
-            return Err(Error::Timeout {
-                context: format!("rank {rank}: {CONTEXT}"),
-                what: format!(
-                    "ranks {missing:?} to publish their addresses in {}",
-                    store.describe()
-                ),
-                after: opts.timeout,
-            });
-        }
-        Err(e) => return Err(e),
-    }
-    let mut peers = Vec::with_capacity(rank);
-    for key in &keys {
-        let value = store.get(key, deadline.saturating_duration_since(Instant::now()))?;
-        let parsed = std::str::from_utf8(&value)
-            .ok()
-            .and_then(|s| s.parse::<SocketAddr>().ok());
-        peers.push(parsed.ok_or_else(|| Error::Store {
-            addr: store.describe(),
-            msg: format!(
-                "'{key}' holds {:?}, not a socket address",
-                String::from_utf8_lossy(&value)
-            ),
-        })?);
-    }
-
-    // Connect down, accept up, concurrently.
     let listener =
         TcpListener::from_std(listener).map_err(|e| Error::io("registering the listener", e))?;
-    let progress = Mutex::new(Progress {
-        socks: (0..world_size)
-            .map(|_| (0..nsocks).map(|_| None).collect())
-            .collect(),
-        last_error: vec![None; world_size],
-        refused: 0,
-        last_refused: None,
+    let shared = Arc::new(Shared {
+        rank,
+        world_size,
+        comm: setup.comm,
+        nsocks: opts.nsocks,
+        progress: Mutex::new(Progress {
+            socks: (0..world_size)
+                .map(|_| (0..opts.nsocks).map(|_| None).collect())
+                .collect(),
+            last_error: vec![None; world_size],
+            refused: 0,
+            last_refused: None,
+        }),
+        admitted: Notify::new(),
+        secret: setup.secret.clone(),
+        context: auth::link_context(setup.comm),
     });
-    let shared = Shared {
-        rank,
-        world_size,
-        comm: comm_id,
-        nsocks,
-        progress: &progress,
-        secret: opts.secret.as_ref(),
-        context: auth::link_context(comm_id),
-    };
-    let both = async { tokio::try_join!(shared.accept_all(listener), shared.connect_all(&peers)) };
-    let left = deadline.saturating_duration_since(Instant::now());
-    match tokio::time::timeout(left, both).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(e),
-        Err(_) => return Err(shared.timeout_error(&peers, opts.timeout)),
-    }
+    let acceptor = AbortOnDrop(tokio::spawn(shared.clone().accept_forever(listener)));
+    setup
+        .store
+        .set(&format!("addr/{rank}"), addr.to_string().as_bytes())?;
+    tracing::debug!(rank, %addr, "listening");
+    Ok(Listening {
+        setup: setup.clone(),
+        shared,
+        started,
+        _acceptor: acceptor,
+    })
+}
 
-    let mut progress = progress.into_inner().unwrap_or_else(|e| e.into_inner());
-    let mut links: Vec<Option<Arc<dyn Link>>> = Vec::with_capacity(world_size);
-    for (peer, socks) in progress.socks.iter_mut().enumerate() {
-        if peer == rank {
-            links.push(None);
-            continue;
+impl Listening {
+    /// Connects to every rank of `peers` (each of which connects to this
+    /// rank in turn): this rank connects to the lower ones and waits for the
+    /// higher ones' sockets, `nsocks` each, all within the set-up's timeout
+    /// counted from [`listen_and_publish`]. One link per peer, in order.
+    pub(crate) async fn connect(self, peers: &[usize]) -> Result<Vec<Arc<dyn Link>>> {
+        let (setup, shared) = (&self.setup, &*self.shared);
+        let (rank, world_size, store) = (setup.rank, setup.world_size, &*setup.store);
+        if let Some(&bad) = peers.iter().find(|&&p| p >= world_size || p == rank) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} of {world_size} cannot connect to rank {bad}"
+            )));
         }
-        let streams: Option<Vec<TcpStream>> = socks.iter_mut().map(Option::take).collect();
-        let streams = streams.ok_or_else(|| {
-            Error::Internal(format!("rank {rank}: socket to rank {peer} missing"))
-        })?;
-        links.push(Some(Arc::new(TcpLink::new(rank, peer, comm_id, streams))));
+        if peers.is_empty() {
+            return Ok(Vec::new());
+        }
+        // A timeout too large to add is as good as none.
+        let started = self.started;
+        let deadline = started
+            .checked_add(setup.timeout)
+            .unwrap_or_else(|| started + Duration::from_secs(1 << 30));
+
+        // Learn the addresses of the lower peers, to connect to.
+        let lower: Vec<usize> = peers.iter().copied().filter(|&p| p < rank).collect();
+        let keys: Vec<String> = lower.iter().map(|p| format!("addr/{p}")).collect();
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        match store.wait(
+            &key_refs,
+            deadline.saturating_duration_since(Instant::now()),
+        ) {
+            Ok(()) => {}
+            Err(Error::Timeout { .. }) => {
+                let missing: Vec<usize> = lower
+                    .iter()
+                    .zip(&keys)
+                    .filter(|(_, k)| !matches!(store.try_get(k), Ok(Some(_))))
+                    .map(|(p, _)| *p)
+                    .collect();
+                return Err(Error::Timeout {
+                    context: format!("rank {rank}: {CONTEXT}"),
+                    what: format!(
+                        "ranks {missing:?} to publish their addresses in {}",
+                        store.describe()
+                    ),
+                    after: setup.timeout,
+                });
+            }
+            Err(e) => return Err(e),
+        }
+        let mut addrs = Vec::with_capacity(lower.len());
+        for (&p, key) in lower.iter().zip(&keys) {
+            let value = store.get(key, deadline.saturating_duration_since(Instant::now()))?;
+            let parsed = std::str::from_utf8(&value)
+                .ok()
+                .and_then(|s| s.parse::<SocketAddr>().ok());
+            addrs.push((
+                p,
+                parsed.ok_or_else(|| Error::Store {
+                    addr: store.describe(),
+                    msg: format!(
+                        "'{key}' holds {:?}, not a socket address",
+                        String::from_utf8_lossy(&value)
+                    ),
+                })?,
+            ));
+        }
+
+        // Connect down, and wait for the higher peers, concurrently.
+        let higher: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();
+        let both = async {
+            tokio::try_join!(shared.connect_all(&addrs), async {
+                shared.accepted_from(&higher).await;
+                Ok(())
+            })
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, both).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(shared.timeout_error(peers, &addrs, setup.timeout)),
+        }
+
+        let mut progress = lock(&shared.progress);
+        let mut links: Vec<Arc<dyn Link>> = Vec::with_capacity(peers.len());
+        for &peer in peers {
+            let streams: Option<Vec<TcpStream>> =
+                progress.socks[peer].iter_mut().map(Option::take).collect();
+            let streams = streams.ok_or_else(|| {
+                Error::Internal(format!("rank {rank}: socket to rank {peer} missing"))
+            })?;
+            links.push(Arc::new(TcpLink::new(rank, peer, setup.comm, streams)));
+        }
+        tracing::debug!(
+            rank,
+            world_size,
+            nsocks = shared.nsocks,
+            peers = peers.len(),
+            "TCP links connected in {:?}",
+            started.elapsed()
+        );
+        Ok(links)
     }
-    tracing::debug!(
-        rank,
-        world_size,
-        nsocks,
-        "TCP mesh connected in {:?}",
-        started.elapsed()
-    );
-    Ok(links)
+}
+
+/// Connects `setup.rank` to every other rank of its communicator (a full
+/// mesh): both phases of the set-up at once. Returns one entry per rank:
+/// `None` at index `rank`, a link elsewhere.
+pub async fn connect_mesh(setup: &Setup, opts: &TcpOptions) -> Result<Vec<Option<Arc<dyn Link>>>> {
+    if setup.world_size == 1 && setup.rank == 0 {
+        return Ok(vec![None]);
+    }
+    let listening = listen_and_publish(setup, opts)?;
+    let peers: Vec<usize> = (0..setup.world_size).filter(|&p| p != setup.rank).collect();
+    let links = listening.connect(&peers).await?;
+    let mut all: Vec<Option<Arc<dyn Link>>> = vec![None; setup.world_size];
+    for (p, link) in peers.into_iter().zip(links) {
+        all[p] = Some(link);
+    }
+    Ok(all)
 }
 
 /// The address to listen on: the interface's, else `local_ip`, else loopback.
@@ -361,14 +426,16 @@ fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpListener> {
 }
 
 /// What the connect and accept halves of the set-up share.
-struct Shared<'a> {
+struct Shared {
     rank: usize,
     world_size: usize,
     comm: u64,
     nsocks: usize,
-    progress: &'a Mutex<Progress>,
+    progress: Mutex<Progress>,
+    /// Wakes the connect half when a socket was admitted.
+    admitted: Notify,
     /// The job secret every socket proves, both ways (`None`: unauthenticated).
-    secret: Option<&'a JobSecret>,
+    secret: Option<JobSecret>,
     /// What the proofs are bound to: the links of this communicator.
     context: Vec<u8>,
 }
@@ -433,18 +500,18 @@ async fn accept_handshake(
     Ok(hello)
 }
 
-impl Shared<'_> {
-    /// Accepts `nsocks` sockets from every higher rank. Connections that are
-    /// not a valid hello from such a rank are dropped (with a warning); each
-    /// hello is awaited concurrently, so a silent stranger stalls nothing.
-    async fn accept_all(&self, listener: TcpListener) -> Result<()> {
-        let mut expected = (self.world_size - 1 - self.rank) * self.nsocks;
+impl Shared {
+    /// Accepts connections until stopped: sockets with a valid hello from a
+    /// higher rank are kept for [`Listening::connect`]; the rest are dropped
+    /// (with a warning). Each hello is awaited concurrently, so a silent
+    /// stranger stalls nothing.
+    async fn accept_forever(self: Arc<Self>, listener: TcpListener) {
         let mut hellos = FuturesUnordered::new();
-        while expected > 0 {
+        loop {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((stream, from)) => {
-                        let (secret, context) = (self.secret, &self.context[..]);
+                        let (secret, context) = (self.secret.as_ref(), &self.context[..]);
                         hellos.push(async move {
                             let mut stream = stream;
                             let r = tokio::time::timeout(
@@ -465,7 +532,7 @@ impl Shared<'_> {
                         Ok(Ok(b)) => b,
                         Ok(Err(Dropped::Unauthenticated(why))) => {
                             tracing::warn!(rank = self.rank, "dropping connection from {from}: {why}");
-                            let mut p = lock(self.progress);
+                            let mut p = lock(&self.progress);
                             p.refused += 1;
                             p.last_refused = Some(format!("{from}: {why}"));
                             continue;
@@ -480,19 +547,29 @@ impl Shared<'_> {
                         }
                     };
                     if self.admit(stream, from, &bytes) {
-                        expected -= 1;
+                        self.admitted.notify_waiters();
                     }
                 }
             }
         }
-        if !hellos.is_empty() {
-            tracing::debug!(
-                rank = self.rank,
-                "closing {} connections that sent no handshake yet",
-                hellos.len()
-            );
+    }
+
+    /// Resolves once every socket of every rank of `higher` was admitted.
+    async fn accepted_from(&self, higher: &[usize]) {
+        loop {
+            let mut notified = std::pin::pin!(self.admitted.notified());
+            notified.as_mut().enable();
+            let all = {
+                let p = lock(&self.progress);
+                higher
+                    .iter()
+                    .all(|&r| p.socks[r].iter().all(Option::is_some))
+            };
+            if all {
+                return;
+            }
+            notified.await;
         }
-        Ok(())
     }
 
     /// Checks a hello; replies and keeps the socket if it is wanted.
@@ -544,7 +621,7 @@ impl Shared<'_> {
                 ),
             );
         }
-        let mut progress = lock(self.progress);
+        let mut progress = lock(&self.progress);
         let slot = &mut progress.socks[from_rank][h.index as usize];
         if slot.is_some() {
             drop(progress);
@@ -575,12 +652,11 @@ impl Shared<'_> {
         true
     }
 
-    /// Opens `nsocks` sockets to every lower rank.
-    async fn connect_all(&self, peers: &[SocketAddr]) -> Result<()> {
-        let attempts = peers
+    /// Opens `nsocks` sockets to each of the wanted lower ranks, at `addrs`.
+    async fn connect_all(&self, addrs: &[(usize, SocketAddr)]) -> Result<()> {
+        let attempts = addrs
             .iter()
-            .enumerate()
-            .flat_map(|(p, addr)| (0..self.nsocks).map(move |i| (p, *addr, i)))
+            .flat_map(|&(p, addr)| (0..self.nsocks).map(move |i| (p, addr, i)))
             .map(|(p, addr, i)| self.connect_one(p, addr, i));
         try_join_all(attempts).await?;
         Ok(())
@@ -597,7 +673,7 @@ impl Shared<'_> {
                         peer,
                         "connecting to {addr}: {e}; retrying"
                     );
-                    lock(self.progress).last_error[peer] =
+                    lock(&self.progress).last_error[peer] =
                         Some(format!("connecting to {addr}: {e}"));
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_millis(500));
@@ -659,7 +735,7 @@ impl Shared<'_> {
             other => return Err(fail(format!("unexpected handshake reply {other:#04x}"))),
         }
         tracing::trace!(rank = self.rank, peer, index, "connected");
-        lock(self.progress).socks[peer][index] = Some(stream);
+        lock(&self.progress).socks[peer][index] = Some(stream);
         Ok(())
     }
 
@@ -688,7 +764,7 @@ impl Shared<'_> {
                 "no authentication challenge from {addr} ({e}): is that rank still there, in this job?"
             ))
         })?;
-        match auth::answer(self.secret, &self.context, &challenge) {
+        match auth::answer(self.secret.as_ref(), &self.context, &challenge) {
             Ok(Answer::Open) => Ok(()),
             Ok(Answer::Respond { response, pending }) => {
                 let mut proof = [0u8; auth::PROOF_LEN];
@@ -707,18 +783,25 @@ impl Shared<'_> {
         }
     }
 
-    /// The set-up deadline passed: name the ranks that are not connected.
-    fn timeout_error(&self, peers: &[SocketAddr], after: Duration) -> Error {
-        let progress = lock(self.progress);
+    /// The set-up deadline passed: name the ranks of `peers` that are not connected.
+    fn timeout_error(
+        &self,
+        peers: &[usize],
+        addrs: &[(usize, SocketAddr)],
+        after: Duration,
+    ) -> Error {
+        let progress = lock(&self.progress);
         let mut missing = Vec::new();
         let mut detail = String::new();
-        for (peer, socks) in progress.socks.iter().enumerate() {
+        for &peer in peers {
+            let socks = &progress.socks[peer];
             let absent = socks.iter().filter(|s| s.is_none()).count();
-            if peer == self.rank || absent == 0 {
+            if absent == 0 {
                 continue;
             }
             missing.push(peer);
-            let _ = match (peers.get(peer), &progress.last_error[peer]) {
+            let addr = addrs.iter().find(|(p, _)| *p == peer).map(|(_, a)| a);
+            let _ = match (addr, &progress.last_error[peer]) {
                 (Some(addr), Some(err)) => write!(detail, "; rank {peer} at {addr}: {err}"),
                 (Some(addr), None) => write!(detail, "; rank {peer} at {addr} did not answer"),
                 (None, _) => write!(

@@ -9,7 +9,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{CollectiveKind, DataType, Error, Fingerprint, FrameHeader, JobSecret, Link, Store};
+use ccl_core::{
+    BufMut, BufRef, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, JobSecret, Link,
+    Setup, Store,
+};
 use ccl_rendezvous::{
     auth::{self, Challenge, Proof, Response},
     HashStore,
@@ -37,13 +40,28 @@ fn secret(s: &str) -> JobSecret {
     JobSecret::new(s).unwrap()
 }
 
-fn opts(nsocks: usize, secret: Option<JobSecret>, timeout: Duration) -> TcpOptions {
-    TcpOptions {
-        nsocks,
+/// What a rank brings to set-up besides its rank: its TCP options, and the
+/// deadline and secret of its [`Setup`].
+struct Opts {
+    tcp: TcpOptions,
+    timeout: Duration,
+    secret: Option<JobSecret>,
+}
+
+fn opts(nsocks: usize, secret: Option<JobSecret>, timeout: Duration) -> Opts {
+    Opts {
+        tcp: TcpOptions {
+            nsocks,
+            ..TcpOptions::default()
+        },
         timeout,
         secret,
-        ..TcpOptions::default()
     }
+}
+
+/// A fresh rendezvous store.
+fn new_store() -> Arc<HashStore> {
+    Arc::new(HashStore::new())
 }
 
 fn header(seq: u64, len: usize) -> FrameHeader {
@@ -61,20 +79,30 @@ fn header(seq: u64, len: usize) -> FrameHeader {
 fn run_rank(
     rank: usize,
     world: usize,
-    store: &HashStore,
-    o: &TcpOptions,
+    store: &Arc<HashStore>,
+    o: &Opts,
 ) -> Result<Duration, Error> {
+    let setup = Setup {
+        rank,
+        world_size: world,
+        comm: COMM,
+        store: store.clone(),
+        timeout: o.timeout,
+        secret: o.secret.clone(),
+    };
     runtime().block_on(async {
         tokio::time::timeout(LIMIT, async {
             let started = Instant::now();
-            let links: Links = connect_mesh(rank, world, COMM, store, o).await?;
+            let links: Links = connect_mesh(&setup, &o.tcp).await?;
             let took = started.elapsed();
             let mine = (rank as u64).to_le_bytes();
             for (p, l) in links.iter().enumerate() {
                 let Some(l) = l else { continue };
                 let mut got = [0u8; 8];
-                let (s, r) =
-                    futures::join!(l.send(header(0, 8), &mine), l.recv(header(0, 8), &mut got));
+                let (s, r) = futures::join!(
+                    l.send(header(0, 8), BufRef::from_host(&mine)),
+                    l.recv(header(0, 8), BufMut::from_host(&mut got))
+                );
                 s.unwrap();
                 r.unwrap();
                 assert_eq!(u64::from_le_bytes(got), p as u64);
@@ -88,7 +116,7 @@ fn run_rank(
 
 #[test]
 fn ranks_sharing_the_secret_connect_and_exchange() {
-    let store = HashStore::new();
+    let store = new_store();
     let o = opts(2, Some(secret("shared")), Duration::from_secs(10));
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..3)
@@ -127,7 +155,7 @@ fn hello_bytes(comm: u64, from: u32, to: u32, nsocks: u16) -> Vec<u8> {
 
 #[test]
 fn strangers_without_the_secret_are_refused_and_the_mesh_goes_on() {
-    let store = HashStore::new();
+    let store = new_store();
     let job = secret("the job");
     let o = opts(1, Some(job.clone()), Duration::from_secs(10));
     std::thread::scope(|s| {
@@ -186,7 +214,7 @@ fn strangers_without_the_secret_are_refused_and_the_mesh_goes_on() {
 
 #[test]
 fn a_rank_with_another_secret_fails_set_up_clearly() {
-    let store = HashStore::new();
+    let store = new_store();
     let o0 = opts(1, Some(secret("right")), Duration::from_millis(1500));
     let o1 = opts(1, Some(secret("wrong")), Duration::from_secs(10));
     std::thread::scope(|s| {
@@ -218,7 +246,7 @@ fn a_secret_on_one_side_only_fails_set_up_clearly() {
         (Some(secret("s")), None, "requires a job secret"),
         (None, Some(secret("s")), "runs without a job secret"),
     ] {
-        let store = HashStore::new();
+        let store = new_store();
         let o0 = opts(1, s0, Duration::from_millis(800));
         let o1 = opts(1, s1, Duration::from_secs(10));
         std::thread::scope(|s| {

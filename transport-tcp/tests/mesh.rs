@@ -11,8 +11,8 @@ use std::{
 };
 
 use ccl_core::{
-    AbortNotice, AlignedBuf, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link,
-    ReduceOp, Reduction, Store,
+    AbortNotice, AlignedBuf, BufMut, BufRef, CollectiveKind, DataType, Error, Fingerprint,
+    FrameHeader, Link, ReduceOp, Reduction, Setup, Store, HOST_KERNELS,
 };
 use ccl_rendezvous::HashStore;
 use ccl_transport_tcp::{connect_mesh, TcpOptions, REDUCE_PIECE};
@@ -29,8 +29,32 @@ fn opts(nsocks: usize) -> TcpOptions {
         nsocks,
         interface: None,
         local_ip: None,
+    }
+}
+
+/// A fresh rendezvous store.
+fn new_store() -> Arc<HashStore> {
+    Arc::new(HashStore::new())
+}
+
+/// Rank 0's set-up in a `world_size`-rank communicator through `store`,
+/// with a 10 s deadline and no secret (other ranks differ only in `rank`).
+fn setup(world_size: usize, store: &Arc<HashStore>) -> Setup {
+    Setup {
+        rank: 0,
+        world_size,
+        comm: COMM,
+        store: store.clone(),
         timeout: Duration::from_secs(10),
         secret: None,
+    }
+}
+
+/// `base` for rank `rank`.
+fn as_rank(base: &Setup, rank: usize) -> Setup {
+    Setup {
+        rank,
+        ..base.clone()
     }
 }
 
@@ -51,24 +75,25 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// Runs `body` on every rank of a `world`-rank mesh, each rank a thread with
-/// its own runtime; returns what each rank returned.
-fn run_ranks<T, F, Fut>(world: usize, opts: &TcpOptions, store: &HashStore, body: F) -> Vec<T>
+/// Runs `body` on every rank of the mesh `base` describes (`base.rank`
+/// aside), each rank a thread with its own runtime; returns what each rank
+/// returned.
+fn run_ranks<T, F, Fut>(base: &Setup, opts: &TcpOptions, body: F) -> Vec<T>
 where
     T: Send,
     F: Fn(usize, Links) -> Fut + Sync,
     Fut: Future<Output = T>,
 {
+    let world = base.world_size;
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let body = &body;
+                let setup = as_rank(base, rank);
                 s.spawn(move || {
                     runtime().block_on(async {
                         tokio::time::timeout(LIMIT, async {
-                            let links = connect_mesh(rank, world, COMM, store, opts)
-                                .await
-                                .expect("mesh set-up");
+                            let links = connect_mesh(&setup, opts).await.expect("mesh set-up");
                             assert_eq!(links.len(), world);
                             for (p, l) in links.iter().enumerate() {
                                 assert_eq!(l.is_none(), p == rank);
@@ -118,15 +143,20 @@ async fn exchange_all(rank: usize, links: Links, sizes: &[usize]) {
     join_all(peers(&links).map(|(p, l)| async move {
         let send = async {
             for (k, &n) in sizes.iter().enumerate() {
-                l.send(header(k as u64, n), &pattern(rank, p, k, n))
-                    .await
-                    .unwrap();
+                l.send(
+                    header(k as u64, n),
+                    BufRef::from_host(&pattern(rank, p, k, n)),
+                )
+                .await
+                .unwrap();
             }
         };
         let recv = async {
             for (k, &n) in sizes.iter().enumerate() {
                 let mut got = vec![0xeeu8; n];
-                l.recv(header(k as u64, n), &mut got).await.unwrap();
+                l.recv(header(k as u64, n), BufMut::from_host(&mut got))
+                    .await
+                    .unwrap();
                 assert!(
                     got == pattern(p, rank, k, n),
                     "rank {rank}: message {k} ({n} bytes) from rank {p} corrupted"
@@ -142,14 +172,14 @@ const SIZES: [usize; 5] = [0, 1, 63, 64 * 1024 + 1, (4 << 20) + 13];
 
 #[test]
 fn mesh_of_four_exchanges_all_sizes_one_socket() {
-    run_ranks(4, &opts(1), &HashStore::new(), |rank, links| {
+    run_ranks(&setup(4, &new_store()), &opts(1), |rank, links| {
         exchange_all(rank, links, &SIZES)
     });
 }
 
 #[test]
 fn mesh_of_four_exchanges_all_sizes_three_sockets() {
-    run_ranks(4, &opts(3), &HashStore::new(), |rank, links| {
+    run_ranks(&setup(4, &new_store()), &opts(3), |rank, links| {
         exchange_all(rank, links, &SIZES)
     });
 }
@@ -157,11 +187,11 @@ fn mesh_of_four_exchanges_all_sizes_three_sockets() {
 #[test]
 fn single_rank_needs_no_links() {
     let links = runtime()
-        .block_on(connect_mesh(0, 1, COMM, &HashStore::new(), &opts(1)))
+        .block_on(connect_mesh(&setup(1, &new_store()), &opts(1)))
         .unwrap();
     assert!(links.len() == 1 && links[0].is_none());
     let e = runtime()
-        .block_on(connect_mesh(2, 2, COMM, &HashStore::new(), &opts(1)))
+        .block_on(connect_mesh(&as_rank(&setup(2, &new_store()), 2), &opts(1)))
         .unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
@@ -185,9 +215,8 @@ fn recv_reduce_sums(nsocks: usize) {
     // Counts include one above the piece size and not a multiple of it.
     let counts = [0, 1, 7, 16 * 1024, REDUCE_PIECE / 4 + 5, 200_003];
     run_ranks(
-        2,
+        &setup(2, &new_store()),
         &opts(nsocks),
-        &HashStore::new(),
         |rank, links| async move {
             let sent = |i: usize| i as f32 * 0.5;
             let mine = |i: usize| (i % 100) as f32;
@@ -209,7 +238,7 @@ fn recv_reduce_sums(nsocks: usize) {
                         links[1]
                             .as_ref()
                             .unwrap()
-                            .send(h, data.as_slice())
+                            .send(h, BufRef::from_host(data.as_slice()))
                             .await
                             .unwrap();
                         continue;
@@ -220,9 +249,10 @@ fn recv_reduce_sums(nsocks: usize) {
                     let reduction = Reduction {
                         op: ReduceOp::Sum,
                         dtype: DataType::F32,
-                        local: with_local.then(|| loc.as_slice()),
+                        local: with_local.then(|| BufRef::from_host(loc.as_slice())),
+                        kernels: &HOST_KERNELS,
                     };
-                    link.recv_reduce(h, into.as_mut_slice(), reduction)
+                    link.recv_reduce(h, BufMut::from_host(into.as_mut_slice()), reduction)
                         .await
                         .unwrap();
                     let got = f32_values(&into);
@@ -249,16 +279,16 @@ fn recv_reduce_sums_f32_two_sockets() {
 #[test]
 fn mismatched_header_is_a_mismatch() {
     // (An unbounded set-up deadline works too.)
-    let o = TcpOptions {
+    let base = Setup {
         timeout: Duration::MAX,
-        ..opts(2)
+        ..setup(2, &new_store())
     };
-    run_ranks(2, &o, &HashStore::new(), |rank, links| async move {
+    run_ranks(&base, &opts(2), |rank, links| async move {
         if rank == 0 {
             links[1]
                 .as_ref()
                 .unwrap()
-                .send(header(4, 10), &[1; 10])
+                .send(header(4, 10), BufRef::from_host(&[1; 10]))
                 .await
                 .unwrap();
             return;
@@ -269,7 +299,7 @@ fn mismatched_header_is_a_mismatch() {
         let e = links[0]
             .as_ref()
             .unwrap()
-            .recv(expect, &mut into)
+            .recv(expect, BufMut::from_host(&mut into))
             .await
             .unwrap_err();
         assert!(
@@ -288,125 +318,156 @@ fn mismatched_header_is_a_mismatch() {
 
 #[test]
 fn abort_reaches_a_pending_receive() {
-    run_ranks(2, &opts(2), &HashStore::new(), |rank, links| async move {
-        let link = peers(&links).next().unwrap().1;
-        if rank == 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let notice = AbortNotice {
-                failed_rank: 7,
-                reason: "rank 7 ran out of memory".into(),
-            };
-            link.abort(&notice).await.unwrap();
-            link.abort(&notice).await.unwrap(); // idempotent
-                                                // Our own side is closed too.
-            let started = Instant::now();
-            let e = link.recv(header(0, 3), &mut [0; 3]).await.unwrap_err();
-            assert!(matches!(e, Error::PeerLost { .. }), "{e}");
-            assert!(started.elapsed() < Duration::from_secs(1));
-            return;
-        }
-        // A striped receive: the abort frame arrives on socket 0 only.
-        let mut into = vec![0u8; 1 << 20];
-        let e = link.recv(header(0, 1 << 20), &mut into).await.unwrap_err();
-        match &e {
-            Error::PeerLost {
-                rank: 1,
-                peer: 7,
-                cause,
-                ..
-            } => assert!(cause.contains("out of memory"), "{e}"),
-            _ => panic!("expected PeerLost naming rank 7, got {e}"),
-        }
-    });
+    run_ranks(
+        &setup(2, &new_store()),
+        &opts(2),
+        |rank, links| async move {
+            let link = peers(&links).next().unwrap().1;
+            if rank == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let notice = AbortNotice {
+                    failed_rank: 7,
+                    reason: "rank 7 ran out of memory".into(),
+                };
+                link.abort(&notice).await.unwrap();
+                link.abort(&notice).await.unwrap(); // idempotent
+                                                    // Our own side is closed too.
+                let started = Instant::now();
+                let e = link
+                    .recv(header(0, 3), BufMut::from_host(&mut [0; 3]))
+                    .await
+                    .unwrap_err();
+                assert!(matches!(e, Error::PeerLost { .. }), "{e}");
+                assert!(started.elapsed() < Duration::from_secs(1));
+                return;
+            }
+            // A striped receive: the abort frame arrives on socket 0 only.
+            let mut into = vec![0u8; 1 << 20];
+            let e = link
+                .recv(header(0, 1 << 20), BufMut::from_host(&mut into))
+                .await
+                .unwrap_err();
+            match &e {
+                Error::PeerLost {
+                    rank: 1,
+                    peer: 7,
+                    cause,
+                    ..
+                } => assert!(cause.contains("out of memory"), "{e}"),
+                _ => panic!("expected PeerLost naming rank 7, got {e}"),
+            }
+        },
+    );
 }
 
 #[test]
 fn abort_after_a_dropped_send_does_not_write_mid_frame() {
-    run_ranks(2, &opts(1), &HashStore::new(), |rank, links| async move {
-        let link = peers(&links).next().unwrap().1;
-        let big = 64 << 20;
-        if rank == 0 {
-            // The peer does not read yet: the send blocks, then is dropped mid-frame.
-            let data = vec![1u8; big];
-            let r =
-                tokio::time::timeout(Duration::from_millis(200), link.send(header(0, big), &data))
-                    .await;
-            assert!(r.is_err(), "a 64 MiB send completed without a reader");
-            let notice = AbortNotice {
-                failed_rank: 0,
-                reason: "gave up".into(),
-            };
-            let started = Instant::now();
-            link.abort(&notice).await.unwrap();
-            assert!(started.elapsed() < Duration::from_millis(500));
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(400)).await;
-        let mut into = vec![0u8; big];
-        let e = link.recv(header(0, big), &mut into).await.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::PeerLost {
-                    rank: 1,
-                    peer: 0,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-    });
+    run_ranks(
+        &setup(2, &new_store()),
+        &opts(1),
+        |rank, links| async move {
+            let link = peers(&links).next().unwrap().1;
+            let big = 64 << 20;
+            if rank == 0 {
+                // The peer does not read yet: the send blocks, then is dropped mid-frame.
+                let data = vec![1u8; big];
+                let r = tokio::time::timeout(
+                    Duration::from_millis(200),
+                    link.send(header(0, big), BufRef::from_host(&data)),
+                )
+                .await;
+                assert!(r.is_err(), "a 64 MiB send completed without a reader");
+                let notice = AbortNotice {
+                    failed_rank: 0,
+                    reason: "gave up".into(),
+                };
+                let started = Instant::now();
+                link.abort(&notice).await.unwrap();
+                assert!(started.elapsed() < Duration::from_millis(500));
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            let mut into = vec![0u8; big];
+            let e = link
+                .recv(header(0, big), BufMut::from_host(&mut into))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::PeerLost {
+                        rank: 1,
+                        peer: 0,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        },
+    );
 }
 
 #[test]
 fn dropped_peer_is_peer_lost_quickly() {
-    run_ranks(2, &opts(2), &HashStore::new(), |rank, links| async move {
-        if rank == 0 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            drop(links);
-            return;
-        }
-        let link = peers(&links).next().unwrap().1;
-        let started = Instant::now();
-        let e = link.recv(header(0, 100), &mut [0; 100]).await.unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::PeerLost {
-                    rank: 1,
-                    peer: 0,
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "took {:?}",
-            started.elapsed()
-        );
-        // Sending to the lost peer fails as well (at the latest once the reset arrives).
-        let mut failed = false;
-        for _ in 0..50 {
-            if link.send(header(1, 1000), &[0; 1000]).await.is_err() {
-                failed = true;
-                break;
+    run_ranks(
+        &setup(2, &new_store()),
+        &opts(2),
+        |rank, links| async move {
+            if rank == 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                drop(links);
+                return;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(failed, "sending to a closed peer kept succeeding");
-    });
+            let link = peers(&links).next().unwrap().1;
+            let started = Instant::now();
+            let e = link
+                .recv(header(0, 100), BufMut::from_host(&mut [0; 100]))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::PeerLost {
+                        rank: 1,
+                        peer: 0,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(2),
+                "took {:?}",
+                started.elapsed()
+            );
+            // Sending to the lost peer fails as well (at the latest once the reset arrives).
+            let mut failed = false;
+            for _ in 0..50 {
+                if link
+                    .send(header(1, 1000), BufRef::from_host(&[0; 1000]))
+                    .await
+                    .is_err()
+                {
+                    failed = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(failed, "sending to a closed peer kept succeeding");
+        },
+    );
 }
 
 #[test]
 fn strangers_do_not_break_the_mesh() {
-    let store = HashStore::new();
+    let store = new_store();
+    let base = setup(2, &store);
     let o = opts(2);
     std::thread::scope(|s| {
         let rank0 = s.spawn(|| {
             runtime().block_on(async {
                 let started = Instant::now();
-                let links = tokio::time::timeout(LIMIT, connect_mesh(0, 2, COMM, &store, &o))
+                let links = tokio::time::timeout(LIMIT, connect_mesh(&base, &o))
                     .await
                     .unwrap()
                     .unwrap();
@@ -415,7 +476,7 @@ fn strangers_do_not_break_the_mesh() {
                 links[1]
                     .as_ref()
                     .unwrap()
-                    .recv(header(0, 5), &mut got)
+                    .recv(header(0, 5), BufMut::from_host(&mut got))
                     .await
                     .unwrap();
                 assert_eq!(&got, b"hello");
@@ -457,14 +518,14 @@ fn strangers_do_not_break_the_mesh() {
         );
         let rank1 = s.spawn(|| {
             runtime().block_on(async {
-                let links = tokio::time::timeout(LIMIT, connect_mesh(1, 2, COMM, &store, &o))
+                let links = tokio::time::timeout(LIMIT, connect_mesh(&as_rank(&base, 1), &o))
                     .await
                     .unwrap()
                     .unwrap();
                 links[0]
                     .as_ref()
                     .unwrap()
-                    .send(header(0, 5), b"hello")
+                    .send(header(0, 5), BufRef::from_host(b"hello"))
                     .await
                     .unwrap();
             })
@@ -487,8 +548,8 @@ fn ipv6_mesh_on_loopback() {
         local_ip: Some(IpAddr::V6(Ipv6Addr::LOCALHOST)),
         ..opts(2)
     };
-    let store = HashStore::new();
-    run_ranks(3, &o, &store, |rank, links| {
+    let store = new_store();
+    run_ranks(&setup(3, &store), &o, |rank, links| {
         exchange_all(rank, links, &[0, 5, 100_000])
     });
     let published = String::from_utf8(store.try_get("addr/0").unwrap().unwrap()).unwrap();
@@ -502,8 +563,10 @@ fn interface_by_name() {
         local_ip: Some(IpAddr::V4(Ipv4Addr::new(10, 255, 255, 1))), // the interface wins
         ..opts(1)
     };
-    let store = HashStore::new();
-    run_ranks(2, &o, &store, |rank, links| exchange_all(rank, links, &[3]));
+    let store = new_store();
+    run_ranks(&setup(2, &store), &o, |rank, links| {
+        exchange_all(rank, links, &[3])
+    });
     let published = String::from_utf8(store.try_get("addr/1").unwrap().unwrap()).unwrap();
     assert!(published.starts_with("127."), "{published}");
     let bad = TcpOptions {
@@ -511,7 +574,7 @@ fn interface_by_name() {
         ..opts(1)
     };
     let e = runtime()
-        .block_on(connect_mesh(0, 2, COMM, &HashStore::new(), &bad))
+        .block_on(connect_mesh(&setup(2, &new_store()), &bad))
         .unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
 }
@@ -531,48 +594,49 @@ fn assert_timeout_naming(e: &Error, rank: usize, started: Instant, timeout: Dura
 #[test]
 fn set_up_deadline_names_missing_ranks() {
     let timeout = Duration::from_millis(300);
-    let o = TcpOptions { timeout, ..opts(1) };
+    let within = |rank: usize, store: &Arc<HashStore>| Setup {
+        rank,
+        timeout,
+        ..setup(2, store)
+    };
+    let o = opts(1);
     // Rank 0 alone: nobody connects.
     let started = Instant::now();
     let e = runtime()
-        .block_on(connect_mesh(0, 2, COMM, &HashStore::new(), &o))
+        .block_on(connect_mesh(&within(0, &new_store()), &o))
         .unwrap_err();
     assert_timeout_naming(&e, 1, started, timeout);
     // Rank 1 alone: rank 0 never publishes its address.
     let started = Instant::now();
     let e = runtime()
-        .block_on(connect_mesh(1, 2, COMM, &HashStore::new(), &o))
+        .block_on(connect_mesh(&within(1, &new_store()), &o))
         .unwrap_err();
     assert_timeout_naming(&e, 0, started, timeout);
     // Rank 1, whose rank 0 listens but never answers the handshake.
     let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let store = HashStore::new();
+    let store = new_store();
     store
         .set("addr/0", mute.local_addr().unwrap().to_string().as_bytes())
         .unwrap();
     let started = Instant::now();
     let e = runtime()
-        .block_on(connect_mesh(1, 2, COMM, &store, &o))
+        .block_on(connect_mesh(&within(1, &store), &o))
         .unwrap_err();
     assert_timeout_naming(&e, 0, started, timeout);
 }
 
 #[test]
 fn disagreeing_socket_counts_fail_clearly() {
-    let store = HashStore::new();
-    let o0 = TcpOptions {
+    let base = setup(2, &new_store());
+    let s0 = Setup {
         timeout: Duration::from_millis(1500),
-        ..opts(1)
+        ..base.clone()
     };
     std::thread::scope(|s| {
-        let r0 = s.spawn(|| {
-            runtime()
-                .block_on(connect_mesh(0, 2, COMM, &store, &o0))
-                .map(|_| ())
-        });
+        let r0 = s.spawn(|| runtime().block_on(connect_mesh(&s0, &opts(1))).map(|_| ()));
         let started = Instant::now();
         let e = runtime()
-            .block_on(connect_mesh(1, 2, COMM, &store, &opts(2)))
+            .block_on(connect_mesh(&as_rank(&base, 1), &opts(2)))
             .unwrap_err();
         assert!(
             matches!(&e, Error::Config(m) if m.contains("CCL_NSOCKS")),
@@ -586,7 +650,7 @@ fn disagreeing_socket_counts_fail_clearly() {
 #[test]
 fn connect_mesh_future_is_send() {
     fn assert_send<T: Send>(_: T) {}
-    let store = HashStore::new();
+    let s = setup(1, &new_store());
     let o = opts(1);
-    assert_send(connect_mesh(0, 1, COMM, &store, &o));
+    assert_send(connect_mesh(&s, &o));
 }

@@ -199,7 +199,9 @@ impl GroupMemory for MemGroup {
         deadline: &Deadline,
     ) -> Result<&[u8]> {
         let slot = self.slot(rank, round);
-        self.wait_for(rank, deadline, || slot.posted.load(Ordering::Acquire) >= round)?;
+        self.wait_for(rank, deadline, || {
+            slot.posted.load(Ordering::Acquire) >= round
+        })?;
         let got = slot.header.lock().unwrap().expect("posted with a header");
         expect.check_received(&got, self.rank, rank)?;
         self.payload(rank, round, 0, expect.len as usize)
@@ -223,7 +225,9 @@ impl GroupMemory for MemGroup {
         deadline: &Deadline,
     ) -> Result<&[u8]> {
         let slot = self.slot(rank, round);
-        self.wait_for(rank, deadline, || slot.reduced.load(Ordering::Acquire) >= round)?;
+        self.wait_for(rank, deadline, || {
+            slot.reduced.load(Ordering::Acquire) >= round
+        })?;
         self.payload(rank, round, offset, len)
     }
 

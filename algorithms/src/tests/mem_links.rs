@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use ccl_core::{
-    AbortNotice, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
-};
+use ccl_core::{AbortNotice, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 /// A frame, and on a rendezvous link the sender's wait for it to be taken.
@@ -117,4 +115,3 @@ pub(super) fn mesh(n: usize, rendezvous: bool) -> Vec<Vec<Option<Arc<dyn Link>>>
     }
     links
 }
-

@@ -144,7 +144,9 @@ fn run_on(
     dtype: DataType,
     inputs: &[Vec<u8>],
 ) -> Vec<Vec<u8>> {
-    let coll = Collective::new(kind, dtype, count).with_op(op).with_root(root);
+    let coll = Collective::new(kind, dtype, count)
+        .with_op(op)
+        .with_root(root);
     let call = |rank: usize| Call {
         comm: 7,
         seq: 1,
@@ -199,7 +201,9 @@ fn run_on(
         .zip(&memory)
         .enumerate()
         .map(|(r, (x, mem))| {
-            x.unwrap_or_else(|e| panic!("{kind} {algorithm} n={n} count={count} root={root} rank {r}: {e}"));
+            x.unwrap_or_else(|e| {
+                panic!("{kind} {algorithm} n={n} count={count} root={root} rank {r}: {e}")
+            });
             mem.output()
         })
         .collect()
@@ -371,7 +375,11 @@ fn scatter_all_sizes_and_roots() {
 
 #[test]
 fn barrier_all_sizes() {
-    for (n, algorithm) in (1..=16).flat_map(|n| algorithms_for(CollectiveKind::Barrier).into_iter().map(move |a| (n, a))) {
+    for (n, algorithm) in (1..=16).flat_map(|n| {
+        algorithms_for(CollectiveKind::Barrier)
+            .into_iter()
+            .map(move |a| (n, a))
+    }) {
         let outs = run(
             algorithm,
             CollectiveKind::Barrier,
@@ -671,10 +679,7 @@ fn bad_schedules_are_rejected_before_running() {
 
 /// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
 /// as threads; returns each rank's result.
-fn on_group<T: Send>(
-    n: usize,
-    each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
-) -> Vec<T> {
+fn on_group<T: Send>(n: usize, each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync) -> Vec<T> {
     let members = mem_group::group(n, GROUP_SLOT_BYTES);
     std::thread::scope(|s| {
         let each = &each;
@@ -701,7 +706,13 @@ fn mismatched_calls_on_group_memory_are_reported() {
     let ran = on_group(3, |rank, m| {
         let mut buf = vec![0u8; (8 + rank) * 4];
         let io = IoBuffers::host_in_place(&mut buf);
-        group::run(Algorithm::Board, m, &call(rank), &io, Duration::from_secs(20))
+        group::run(
+            Algorithm::Board,
+            m,
+            &call(rank),
+            &io,
+            Duration::from_secs(20),
+        )
     });
     let announced = on_group(3, |rank, m| {
         group::announce(m, &call(rank), Duration::from_secs(20))
@@ -774,7 +785,14 @@ fn board_direct_reduces_several_buffers_as_one() {
                 world_size: n,
                 coll: Collective::new(CollectiveKind::AllReduce, DataType::U64, total),
             };
-            group::run(Algorithm::BoardDirect, m, &call, &io, Duration::from_secs(20)).unwrap();
+            group::run(
+                Algorithm::BoardDirect,
+                m,
+                &call,
+                &io,
+                Duration::from_secs(20),
+            )
+            .unwrap();
             bufs.concat()
         });
         let want: Vec<u64> = (0..total).map(|i| sum_at(n, i)).collect();

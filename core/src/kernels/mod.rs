@@ -17,7 +17,6 @@ use crate::{DataType, Error, ReduceOp, Result};
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-
 /// The binary combining step of an op (`Avg` and `PreMulSum` combine by summing).
 #[derive(Clone, Copy)]
 enum Combine {

@@ -25,121 +25,35 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    future::Future,
-    pin::{pin, Pin},
+    pin::pin,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
-    task::{Context, Poll},
     thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use ccl_algorithms::{execute_within, Algorithm, Call, IoBuffers, Schedule, Spec};
-use ccl_transport_shm::Board;
-
-use crate::board::{announce, BoardCall};
+use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Schedule};
 use ccl_core::{
-    frame::HEADER_LEN, poll_repolling, AbortNotice, AlignedBuf, CollectiveKind, DataType, Error,
-    Fingerprint, FrameHeader, Link, Result, Spin, Store,
+    frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, FrameHeader, GroupMemory,
+    Link, Result, Scratch, Spin, Store,
 };
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
 
-/// How long aborting may spend telling the peers.
-const ABORT_NOTICE_DEADLINE: Duration = Duration::from_secs(2);
-/// How long aborting may spend on the store record of the first failure.
-const ABORT_RECORD_DEADLINE: Duration = Duration::from_secs(2);
-/// Store key (under the communicator's prefix) of the first failure.
-const ABORT_KEY: &str = "abort";
+mod failure;
+mod polling;
 
-/// Polls a future without letting the runtime sleep for up to the spin
-/// window after each real wake-up: while it is pending and inside the window
-/// it wakes itself (yielding the core first if asked to), so the runtime
-/// checks the sockets without blocking and polls again. Past the window it
-/// returns `Pending` like any future and the thread sleeps.
-struct Polling<F> {
-    inner: F,
-    spin: Spin,
-    until: Instant,
-    /// The last wake-up was our own.
-    self_woken: bool,
-}
-
-impl<F: Future + Unpin> Polling<F> {
-    fn new(inner: F, spin: Spin) -> Polling<F> {
-        Polling {
-            inner,
-            spin,
-            until: Instant::now(),
-            self_woken: false,
-        }
-    }
-}
-
-impl<F: Future + Unpin> Future for Polling<F> {
-    type Output = F::Output;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        if self.spin.window.is_zero() {
-            return Pin::new(&mut self.inner).poll(cx);
-        }
-        if !self.self_woken {
-            self.until = Instant::now() + self.spin.window;
-        }
-        self.self_woken = false;
-        if self.spin.repoll {
-            // Links in memory need no runtime to make progress: poll again
-            // at once, a few times, before the trip through the runtime.
-            for _ in 0..REPOLLS {
-                let inner = &mut self.inner;
-                if let Poll::Ready(v) = poll_repolling(|| Pin::new(inner).poll(cx)) {
-                    return Poll::Ready(v);
-                }
-                if self.spin.yield_between {
-                    thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
-        }
-        match Pin::new(&mut self.inner).poll(cx) {
-            Poll::Ready(v) => Poll::Ready(v),
-            Poll::Pending => {
-                if Instant::now() < self.until {
-                    if self.spin.yield_between {
-                        thread::yield_now();
-                    }
-                    self.self_woken = true;
-                    cx.waker().wake_by_ref();
-                }
-                Poll::Pending
-            }
-        }
-    }
-}
-
-/// How often [`Polling`] polls a future again at once (links in memory only)
-/// before it goes through the runtime, which checks sockets and timers.
-const REPOLLS: usize = 32;
+use polling::Polling;
 
 /// How a job runs.
 pub(crate) enum Plan {
     /// A schedule, run by the executor over the links.
     Schedule(Arc<Schedule>),
-    /// A small collective on the shared-memory board, run by the driving thread.
-    Board(BoardCall),
-    /// A board-direct allreduce in place on several buffers taken end to
-    /// end (the job's `io` is unused).
-    BoardOn(BoardCall, Buffers),
+    /// A group algorithm, run by the driving thread on group memory.
+    Group(Algorithm),
 }
-
-/// Buffers of a [`Plan::BoardOn`] job: `(address, bytes)`.
-pub(crate) struct Buffers(pub Vec<(*mut u8, usize)>);
-
-// SAFETY: like `IoBuffers`, memory handed to one execution at a time, kept
-// alive and untouched by its owner (the job's completion) until it is done.
-unsafe impl Send for Buffers {}
 
 /// One call, ready to run.
 pub(crate) struct Job {
@@ -163,7 +77,7 @@ struct Queue {
 }
 
 /// State shared by the engine handle, the progress thread and the lanes.
-struct Shared {
+pub(super) struct Shared {
     rank: usize,
     links: Vec<Option<Arc<dyn Link>>>,
     store: Arc<dyn Store>,
@@ -179,11 +93,11 @@ struct Shared {
     transfers: AtomicUsize,
     transfers_done: Notify,
     /// Scratch memory of collectives (one runs at a time).
-    scratch: Mutex<AlignedBuf>,
+    scratch: Mutex<Option<Scratch>>,
     /// How the driving thread polls before it sleeps.
     spin: Spin,
-    /// The board, when every rank runs on this host.
-    board: Option<Arc<Board>>,
+    /// Memory shared by every rank, when a transport offers it.
+    group: Option<Arc<dyn GroupMemory>>,
     /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
     debug_checks: bool,
     /// `Communicator::abort` was called: running calls stop, queued ones fail.
@@ -192,7 +106,7 @@ struct Shared {
     cancel: Notify,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing under these locks can be left half-updated by a panic.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -218,20 +132,20 @@ impl Shared {
     }
 
     /// Runs one job to completion (or failure), breaking the communicator on error.
-    async fn run(&self, job: Job, scratch: &mut AlignedBuf) {
+    async fn run(&self, job: Job, scratch: &mut Option<Scratch>) {
         if self.broken().is_some() {
             return self.fail_broken(job);
         }
         let schedule = match &job.plan {
             Plan::Schedule(s) => s,
-            Plan::Board(_) | Plan::BoardOn(..) => {
-                let result = self.run_board(&job);
+            Plan::Group(algorithm) => {
+                let result = self.run_group(*algorithm, &job);
                 return self.finish(job.done, result).await;
             }
         };
         if job.lane.is_none() {
-            let checked = match &self.board {
-                Some(board) => announce(board, &job.call, job.deadline),
+            let checked = match &self.group {
+                Some(mem) => group::announce(&**mem, &job.call, job.deadline),
                 None if self.debug_checks => self.check_calls(&job.call, job.deadline).await,
                 None => Ok(()),
             };
@@ -239,7 +153,7 @@ impl Shared {
                 return self.finish(job.done, Err(e)).await;
             }
         }
-        let execution = execute_within(
+        let execution = execute(
             schedule,
             job.io,
             &self.links,
@@ -259,31 +173,23 @@ impl Shared {
     /// sequence number) and compares it with its own.
     async fn check_calls(&self, call: &Call, deadline: Duration) -> Result<()> {
         let n = call.world_size;
-        let mine = FrameHeader::data(call.comm, call.seq, 0, 0, call.fingerprint);
-        let spec = Spec {
-            kind: CollectiveKind::AllGather,
-            rank: self.rank,
-            world_size: n,
-            count: HEADER_LEN,
-            root: 0,
-            finalize: false,
-            piece_elems: HEADER_LEN,
-        };
-        let schedule = spec.build(Algorithm::Ring).map_err(Error::Internal)?;
+        let mine = call.header(0, 0);
         let check = Call {
-            fingerprint: Fingerprint::new(CollectiveKind::AllGather, DataType::U8, HEADER_LEN),
+            coll: Collective::new(CollectiveKind::AllGather, DataType::U8, HEADER_LEN),
             ..*call
         };
+        let schedule = Algorithm::Ring
+            .schedule(&check.coll, self.rank, n, HEADER_LEN)
+            .map_err(Error::Internal)?;
         let input = mine.encode();
         let mut all = vec![0u8; n * HEADER_LEN];
-        let mut scratch = AlignedBuf::zeroed(0);
-        let io = IoBuffers::separate(&input, &mut all);
-        execute_within(
+        let io = IoBuffers::host(&input, &mut all);
+        execute(
             &schedule,
             io,
             &self.links,
             &check,
-            &mut scratch,
+            &mut None,
             Some(deadline),
         )
         .await
@@ -319,136 +225,16 @@ impl Shared {
         }
     }
 
-    fn run_board(&self, job: &Job) -> Result<()> {
-        let Some(board) = &self.board else {
+    /// Runs a job planned as a group algorithm.
+    fn run_group(&self, algorithm: Algorithm, job: &Job) -> Result<()> {
+        let Some(mem) = &self.group else {
             return Err(Error::Internal(format!(
-                "rank {}: {} planned on a board this communicator lacks",
+                "rank {}: {} planned on group memory this communicator lacks",
                 self.rank,
                 job.call.name()
             )));
         };
-        match &job.plan {
-            Plan::Board(call) => call.run(board, &job.call, &job.io, job.deadline),
-            // SAFETY: the buffers stay alive and untouched until the job's
-            // completion runs, after this returns (see `Buffers`).
-            Plan::BoardOn(call, buffers) => unsafe {
-                call.run_in_place_on(board, &job.call, &buffers.0, job.deadline)
-            },
-            Plan::Schedule(_) => Err(Error::Internal(format!(
-                "rank {}: {} is a schedule, not a board call",
-                self.rank,
-                job.call.name()
-            ))),
-        }
-    }
-
-    /// Hands `result` to `done`; a failure first breaks the communicator
-    /// (recorded in the store, every peer told).
-    async fn finish(&self, done: Box<dyn FnOnce(Result<()>) + Send>, result: Result<()>) {
-        done(self.settle(result).await);
-    }
-
-    /// The result a call reports: a failure first breaks the communicator
-    /// (recorded in the store, every peer told).
-    async fn settle(&self, result: Result<()>) -> Result<()> {
-        let rank = self.rank;
-        let result = match result {
-            Err(_) if self.abort_requested.load(Ordering::Acquire) => Err(self.aborted_error()),
-            Err(e) => Err(self.attribute(e).await),
-            ok => ok,
-        };
-        if let Err(e) = &result {
-            let first = {
-                let mut b = lock(&self.broken);
-                let first = b.is_none();
-                if first {
-                    *b = Some(e.clone());
-                }
-                first
-            };
-            if first {
-                tracing::error!(rank, "{e}");
-                self.abort_links(e).await;
-            }
-        }
-        result
-    }
-
-    /// Records the first failure of the communicator in the store, or, if
-    /// another rank recorded one and `e` only says that a link closed, blames
-    /// the recorded rank instead of the messenger. If the store is gone and
-    /// a rank's process served it, the error says so: that rank may be the
-    /// one that failed first (or it gave up and exited since).
-    async fn attribute(&self, e: Error) -> Error {
-        let notice = AbortNotice {
-            failed_rank: e.failed_rank().unwrap_or(self.rank) as u32,
-            reason: e.to_string(),
-        };
-        let store = self.store.clone();
-        let encoded = notice.encode();
-        let record =
-            tokio::task::spawn_blocking(move || store.compare_set(ABORT_KEY, None, &encoded));
-        let recorded = match tokio::time::timeout(ABORT_RECORD_DEADLINE, record).await {
-            Ok(Ok(Ok(bytes))) => AbortNotice::decode(&bytes).ok(),
-            Ok(Ok(Err(Error::Store { .. }))) => {
-                return match (e, self.store_host) {
-                    (
-                        Error::PeerLost {
-                            rank,
-                            peer,
-                            call,
-                            cause,
-                        },
-                        Some(host),
-                    ) if host != peer && host != rank => Error::PeerLost {
-                        rank,
-                        peer,
-                        call,
-                        cause: format!(
-                            "{cause} (the store, served by rank {host}'s process, is gone too: \
-                             rank {host} may have failed first)"
-                        ),
-                    },
-                    (e, _) => e,
-                };
-            }
-            _ => None,
-        };
-        match (e, recorded) {
-            (
-                Error::PeerLost {
-                    rank,
-                    peer,
-                    call,
-                    cause,
-                },
-                Some(first),
-            ) if first.failed_rank as usize != peer && first.failed_rank as usize != rank => {
-                Error::PeerLost {
-                    rank,
-                    peer: first.failed_rank as usize,
-                    call,
-                    cause: format!(
-                        "{} (seen here as: link to rank {peer}: {cause})",
-                        first.reason
-                    ),
-                }
-            }
-            (e, _) => e,
-        }
-    }
-
-    /// Tells every peer that this rank gives up and why, then closes the links.
-    async fn abort_links(&self, cause: &Error) {
-        let notice = AbortNotice {
-            failed_rank: cause.failed_rank().unwrap_or(self.rank) as u32,
-            reason: cause.to_string(),
-        };
-        if let Some(board) = &self.board {
-            board.abort(notice.failed_rank as usize);
-        }
-        let all = futures::future::join_all(self.links.iter().flatten().map(|l| l.abort(&notice)));
-        let _ = tokio::time::timeout(ABORT_NOTICE_DEADLINE, all).await;
+        group::run(algorithm, &**mem, &job.call, &job.io, job.deadline)
     }
 
     async fn wait_for_transfers(&self) {
@@ -485,7 +271,7 @@ impl Engine {
         links: Vec<Option<Arc<dyn Link>>>,
         (store, store_host): (Arc<dyn Store>, Option<usize>),
         spin: Spin,
-        board: Option<Board>,
+        group: Option<Arc<dyn GroupMemory>>,
         debug_checks: bool,
     ) -> Result<Engine> {
         let shared = Arc::new(Shared {
@@ -499,9 +285,9 @@ impl Engine {
             wake_task: Notify::new(),
             transfers: AtomicUsize::new(0),
             transfers_done: Notify::new(),
-            scratch: Mutex::new(AlignedBuf::zeroed(0)),
+            scratch: Mutex::new(None),
             spin,
-            board: board.map(Arc::new),
+            group,
             debug_checks,
             abort_requested: AtomicBool::new(false),
             cancel: Notify::new(),
@@ -557,18 +343,18 @@ impl Engine {
         }
     }
 
-    /// Runs a board call on this thread when nothing is queued or running,
-    /// without a job, a `Work` or the runtime (unless it fails). `call` makes
-    /// the call, taking its sequence number, only then. `None`: nothing was
-    /// taken or run, and the call must go through [`Engine::submit`].
-    pub fn run_board_now(
+    /// Runs a group algorithm on this thread when nothing is queued or
+    /// running, without a job, a `Work` or the runtime (unless it fails).
+    /// `call` makes the call, taking its sequence number, only then. `None`:
+    /// nothing was taken or run, and the call must go through [`Engine::submit`].
+    pub fn run_group_now(
         &self,
-        board_call: &BoardCall,
+        algorithm: Algorithm,
         call: impl FnOnce() -> Call,
         io: &IoBuffers<'_>,
         timeout: Duration,
     ) -> Option<Result<()>> {
-        let board = self.shared.board.as_ref()?;
+        let mem = self.shared.group.as_ref()?;
         // A failure drives the runtime, which would panic inside another one.
         if tokio::runtime::Handle::try_current().is_ok() {
             return None;
@@ -584,7 +370,7 @@ impl Engine {
         let result = if self.shared.broken().is_some() {
             Err(self.shared.broken_error())
         } else {
-            match board_call.run(board, &call, io, timeout) {
+            match group::run(algorithm, &**mem, &call, io, timeout) {
                 Ok(()) => Ok(()),
                 Err(e) => self.runtime.block_on(self.shared.settle(Err(e))),
             }
@@ -612,8 +398,8 @@ impl Engine {
         if self.shared.abort_requested.swap(true, Ordering::AcqRel) {
             return;
         }
-        if let Some(board) = &self.shared.board {
-            board.abort(self.shared.rank);
+        if let Some(group) = &self.shared.group {
+            group.abort(self.shared.rank);
         }
         self.shared.cancel.notify_waiters();
         // A running call fails, and its failure breaks the communicator and
@@ -651,12 +437,6 @@ impl Engine {
             }
         }
         self.stop_driving();
-    }
-
-    /// Whether small collectives can run on the shared-memory board.
-    /// Whether this communicator has a board (every rank on this host).
-    pub fn has_board(&self) -> bool {
-        self.shared.board.is_some()
     }
 
     /// The error that broke the communicator, if any.
@@ -726,7 +506,7 @@ async fn drive(
         };
         let Some(lane) = job.lane else {
             shared.wait_for_transfers().await;
-            let mut scratch = std::mem::replace(&mut *lock(&shared.scratch), AlignedBuf::zeroed(0));
+            let mut scratch = lock(&shared.scratch).take();
             shared.run(job, &mut scratch).await;
             *lock(&shared.scratch) = scratch;
             continue;
@@ -735,7 +515,7 @@ async fn drive(
             let (tx, mut rx) = mpsc::unbounded_channel::<Job>();
             let shared = shared.clone();
             tokio::spawn(async move {
-                let mut scratch = AlignedBuf::zeroed(0);
+                let mut scratch = None;
                 while let Some(job) = rx.recv().await {
                     shared.run(job, &mut scratch).await;
                     shared.transfer_finished();

@@ -1,0 +1,83 @@
+//! How the thread that drives a communicator's runtime polls: for a while
+//! without letting the runtime sleep, since on small messages sleeping in
+//! the kernel and being woken costs more than the message itself.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+    thread,
+    time::Instant,
+};
+
+use ccl_core::{Repoll, Spin};
+
+/// Polls a future without letting the runtime sleep for up to the spin
+/// window after each real wake-up: while it is pending and inside the window
+/// it wakes itself (yielding the core first if asked to), so the runtime
+/// checks the sockets without blocking and polls again. Past the window it
+/// returns `Pending` like any future and the thread sleeps.
+pub(super) struct Polling<F> {
+    inner: F,
+    spin: Spin,
+    until: Instant,
+    /// The last wake-up was our own.
+    self_woken: bool,
+}
+
+impl<F: Future + Unpin> Polling<F> {
+    pub(super) fn new(inner: F, spin: Spin) -> Polling<F> {
+        Polling {
+            inner,
+            spin,
+            until: Instant::now(),
+            self_woken: false,
+        }
+    }
+}
+
+impl<F: Future + Unpin> Future for Polling<F> {
+    type Output = F::Output;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        if self.spin.window.is_zero() {
+            return Pin::new(&mut self.inner).poll(cx);
+        }
+        if !self.self_woken {
+            self.until = Instant::now() + self.spin.window;
+        }
+        self.self_woken = false;
+        if self.spin.repoll {
+            // Links in memory need no runtime to make progress: poll again
+            // at once, a few times, before the trip through the runtime.
+            let waker = Repoll::waker();
+            let mut repoll = Context::from_waker(&waker);
+            for _ in 0..REPOLLS {
+                if let Poll::Ready(v) = Pin::new(&mut self.inner).poll(&mut repoll) {
+                    return Poll::Ready(v);
+                }
+                if self.spin.yield_between {
+                    thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+        match Pin::new(&mut self.inner).poll(cx) {
+            Poll::Ready(v) => Poll::Ready(v),
+            Poll::Pending => {
+                if Instant::now() < self.until {
+                    if self.spin.yield_between {
+                        thread::yield_now();
+                    }
+                    self.self_woken = true;
+                    cx.waker().wake_by_ref();
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// How often [`Polling`] polls a future again at once (links in memory only)
+/// before it goes through the runtime, which checks sockets and timers.
+const REPOLLS: usize = 32;

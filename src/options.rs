@@ -1,0 +1,73 @@
+//! [`Options`]: how a communicator connects and behaves, beyond rank, size
+//! and store.
+
+use std::time::Duration;
+
+use ccl_core::{JobSecret, Result};
+use ccl_rendezvous::Config;
+
+use crate::Transports;
+
+/// How a communicator connects and behaves, beyond rank, size and store.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Deadline of every wait (set-up and each call), `CCL_TIMEOUT`.
+    pub timeout: Duration,
+    /// Algorithm overrides, as `CCL_ALGO` spells them: `ring`, or
+    /// `allreduce=rd,broadcast=tree`. `None`: chosen by the tuner.
+    pub algo: Option<String>,
+    /// How long a thread waiting for a peer polls before it sleeps
+    /// (`CCL_SPIN_US`). Polling saves the kernel's wake-up on small messages
+    /// but takes a CPU. `None`: [`ccl_core::Spin::OWN_CPU_WINDOW`] when this
+    /// host's ranks have a CPU each (counted over the CPUs they may run on,
+    /// so ranks pinned one to a core count as such),
+    /// [`ccl_core::Spin::SHARED_CPU_WINDOW`] when they outnumber them, and
+    /// then they also yield between polls.
+    pub spin_window: Option<Duration>,
+    /// The one transport every pair must use, by name (`CCL_TRANSPORT`:
+    /// `tcp`, `shm`); `None`: each pair takes the first of `transports`
+    /// that can connect it.
+    pub transport: Option<String>,
+    /// The transports, most preferred first, each with its own options;
+    /// `None`: those this build carries, with their default options.
+    pub transports: Option<Transports>,
+    /// Ranks with equal host ids may share memory (`None`: detected).
+    pub host_id: Option<String>,
+    /// The job secret (`CCL_JOB_SECRET`): TCP links prove it to each other
+    /// and it goes into the communicator id. `None`: unauthenticated.
+    pub secret: Option<JobSecret>,
+    /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
+    pub debug_checks: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            timeout: ccl_core::DEFAULT_TIMEOUT,
+            algo: None,
+            spin_window: None,
+            transport: None,
+            transports: None,
+            host_id: None,
+            secret: None,
+            debug_checks: false,
+        }
+    }
+}
+
+impl Options {
+    /// The options a [`Config`] read from the environment sets, the
+    /// transports' own knobs (`CCL_NSOCKS`, `CCL_SHM_BYTES`, ...) included.
+    pub fn from_config(config: &Config) -> Result<Options> {
+        Ok(Options {
+            timeout: config.timeout,
+            algo: config.algo.clone(),
+            spin_window: config.spin,
+            transport: config.transport.clone(),
+            transports: Some(Transports::from_config(config)?),
+            host_id: config.host_id.clone(),
+            secret: config.job_secret.clone(),
+            debug_checks: config.debug_checks,
+        })
+    }
+}

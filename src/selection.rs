@@ -1,0 +1,75 @@
+//! Selection: which algorithm a call runs with (the tuner's choice) and
+//! the plan the engine runs, with schedules kept for repeated calls.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
+
+use ccl_algorithms::{Choice, Schedule, Tuner};
+use ccl_core::{Collective, CollectiveKind, Error, LinkClass, Result};
+
+use crate::engine::Plan;
+
+/// Schedules kept per communicator for repeated calls.
+const SCHEDULE_CACHE: usize = 64;
+
+/// What a cached schedule depends on besides the communicator: kind,
+/// algorithm, count, root, and whether the op finalizes.
+type ScheduleKey = (CollectiveKind, Choice, usize, usize, bool);
+
+/// A communicator's algorithm selection.
+pub(crate) struct Selection {
+    rank: usize,
+    world_size: usize,
+    tuner: Tuner,
+    /// Largest piece a schedule moves at once, unless the choice says.
+    piece_bytes: usize,
+    schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
+}
+
+impl Selection {
+    /// Selection for rank `rank` of `world_size` over links of `class`.
+    pub(crate) fn new(rank: usize, world_size: usize, tuner: Tuner, class: LinkClass) -> Selection {
+        Selection {
+            rank,
+            world_size,
+            tuner,
+            piece_bytes: class.piece_bytes,
+            schedules: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The tuner's choice for `coll`.
+    pub(crate) fn choice(&self, coll: &Collective) -> Choice {
+        self.tuner.choose(coll)
+    }
+
+    /// Whether the communicator has group memory.
+    pub(crate) fn has_group_memory(&self) -> bool {
+        self.tuner.has_group_memory()
+    }
+
+    /// The plan of `coll` with `choice`: a group algorithm, or a schedule.
+    pub(crate) fn plan(&self, coll: &Collective, choice: Choice) -> Result<Plan> {
+        if choice.algorithm.on_group_memory() {
+            return Ok(Plan::Group(choice.algorithm));
+        }
+        let key = (coll.kind, choice, coll.count, coll.root, coll.finalizes());
+        let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = cache.get(&key) {
+            return Ok(Plan::Schedule(s.clone()));
+        }
+        let piece = choice.piece_bytes.unwrap_or(self.piece_bytes) / coll.dtype.size();
+        let schedule = choice
+            .algorithm
+            .schedule(coll, self.rank, self.world_size, piece.max(1))
+            .map_err(Error::Internal)?;
+        let schedule = Arc::new(schedule);
+        if cache.len() >= SCHEDULE_CACHE {
+            cache.clear();
+        }
+        cache.insert(key, schedule.clone());
+        Ok(Plan::Schedule(schedule))
+    }
+}
