@@ -120,9 +120,9 @@ impl Communicator {
             Some(spec) => spec.parse().map_err(Error::Config)?,
             None => Overrides::default(),
         };
-        let transports = match &options.transports {
-            Some(t) => t.clone(),
-            None => Transports::builtin()?,
+        let candidates = match &options.transports {
+            Some(t) => t.candidates(options.transport.as_deref())?,
+            None => Transports::builtin()?.candidates(options.transport.as_deref())?,
         };
         let started = Instant::now();
         let comm = bootstrap::comm_id(&prefix, options.secret.as_ref());
@@ -148,7 +148,7 @@ impl Communicator {
         // as soon as the membership check passes.
         let prepared = {
             let _runtime = runtime.enter();
-            transports.prepare(&setup, options.transport.as_deref())?
+            candidates.prepare(&setup)?
         };
         let mine = bootstrap::this_rank(options.host_id.as_deref());
         // The exchange waits for every rank: meanwhile the runtime serves

@@ -69,22 +69,52 @@ impl Transports {
 
     /// The candidates for a set-up: all of them, or the one named by
     /// `forced` (`CCL_TRANSPORT`).
-    fn candidates(&self, forced: Option<&str>) -> Result<Vec<Arc<dyn Transport>>> {
+    pub(crate) fn candidates(&self, forced: Option<&str>) -> Result<Candidates> {
         let Some(name) = forced else {
-            return Ok(self.0.clone());
+            return Ok(Candidates {
+                transports: self.0.clone(),
+                forced: false,
+            });
         };
         match self.0.iter().find(|t| t.name() == name) {
-            Some(t) => Ok(vec![t.clone()]),
+            Some(t) => Ok(Candidates {
+                transports: vec![t.clone()],
+                forced: true,
+            }),
             None => Err(Error::Config(format!(
                 "CCL_TRANSPORT={name}: no such transport (this build has {})",
                 self.names().join(", ")
             ))),
         }
     }
+}
 
+impl FromIterator<Arc<dyn Transport>> for Transports {
+    fn from_iter<I: IntoIterator<Item = Arc<dyn Transport>>>(iter: I) -> Transports {
+        Transports(iter.into_iter().collect())
+    }
+}
+
+impl fmt::Debug for Transports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Transports({})", self.names().join(", "))
+    }
+}
+
+/// The transports a set-up tries, most preferred first.
+pub(crate) struct Candidates {
+    transports: Vec<Arc<dyn Transport>>,
+    /// Named by `CCL_TRANSPORT`: every pair must use it.
+    forced: bool,
+}
+
+impl Candidates {
     /// The first phase of a set-up: prepares every candidate transport.
-    pub(crate) fn prepare(&self, setup: &Setup, forced: Option<&str>) -> Result<Prepared> {
-        let candidates = self.candidates(forced)?;
+    pub(crate) fn prepare(self, setup: &Setup) -> Result<Prepared> {
+        let Candidates {
+            transports: candidates,
+            forced,
+        } = self;
         if candidates.is_empty() && setup.world_size > 1 {
             return Err(Error::Config(
                 "this build carries no transport (enable the `tcp` or `shm` feature)".into(),
@@ -100,20 +130,8 @@ impl Transports {
             setup: setup.clone(),
             candidates,
             connectors,
-            forced: forced.is_some(),
+            forced,
         })
-    }
-}
-
-impl FromIterator<Arc<dyn Transport>> for Transports {
-    fn from_iter<I: IntoIterator<Item = Arc<dyn Transport>>>(iter: I) -> Transports {
-        Transports(iter.into_iter().collect())
-    }
-}
-
-impl fmt::Debug for Transports {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Transports({})", self.names().join(", "))
     }
 }
 
@@ -197,9 +215,11 @@ impl Prepared {
                         links[p] = Some(link);
                         linked += 1;
                     }
-                    Err(why) if forced => return Err(Error::Config(format!(
+                    Err(why) if forced => {
+                        return Err(Error::Config(format!(
                         "CCL_TRANSPORT={name}, but rank {rank} cannot use it with rank {p}: {why}"
-                    ))),
+                    )))
+                    }
                     Err(why) => {
                         if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
                             tracing::warn!(

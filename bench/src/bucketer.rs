@@ -18,66 +18,15 @@
 
 use std::{
     ffi::OsString,
-    time::{Duration, Instant, SystemTime},
+    time::{Instant, SystemTime},
 };
 
 use ccl::{Bucketer, Communicator, Config, Launcher, Options, ReduceOp, TensorId};
-use clap::Args;
 
 use crate::{
-    cli::{self, Placement},
-    size, spawn,
+    args::{self, BucketerArgs},
+    spawn,
 };
-
-fn size_arg(s: &str) -> Result<u64, String> {
-    size::parse_size(s)
-}
-
-fn count_arg(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(_) => Err(format!("'{s}' is not a whole number")),
-    }
-}
-
-/// Flags of `ccl-bench bucketer`.
-#[derive(Args, Debug, Clone)]
-pub struct BucketerArgs {
-    /// Number of tensors
-    #[arg(long, value_name = "N", default_value = "1000", value_parser = count_arg)]
-    pub tensors: usize,
-    /// Smallest tensor
-    #[arg(short = 'b', long, value_name = "SIZE", default_value = "4KB", value_parser = size_arg)]
-    pub min_size: u64,
-    /// Largest tensor
-    #[arg(short = 'e', long, value_name = "SIZE", default_value = "1MB", value_parser = size_arg)]
-    pub max_size: u64,
-    /// Seed of the tensor sizes and of the ready orders
-    #[arg(long, value_name = "N", default_value = "1")]
-    pub seed: u64,
-    /// Bucket capacity
-    #[arg(long, value_name = "SIZE", default_value = "25MB", value_parser = size_arg)]
-    pub cap: u64,
-    /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
-    #[arg(short = 'N', long, value_name = "N", value_parser = count_arg)]
-    pub ranks: Option<usize>,
-    #[command(flatten)]
-    pub placement: Placement,
-    /// Timed iterations
-    #[arg(short = 'n', long, value_name = "N", default_value = "10", value_parser = count_arg)]
-    pub iters: usize,
-    /// Untimed iterations before the timed ones
-    #[arg(short = 'w', long, value_name = "N", default_value = "2")]
-    pub warmup: usize,
-    /// Transport: auto, tcp or shm
-    #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
-    pub transport: String,
-    /// Deadline of every call and of the set-up [default: CCL_TIMEOUT, else 60s]
-    #[arg(long, value_name = "DURATION", value_parser = |s: &str| ccl::config::parse_duration(s)
-          .filter(|d| !d.is_zero()).ok_or_else(|| format!("'{s}' is not a positive duration")))]
-    pub timeout: Option<Duration>,
-}
 
 /// xorshift64*, the same on every rank.
 struct Rng(u64);
@@ -128,7 +77,7 @@ pub fn main(args: BucketerArgs, started: SystemTime) -> i32 {
         }
     };
     if config.launcher == Launcher::None {
-        let n = args.ranks.unwrap_or_else(cli::default_ranks);
+        let n = args.ranks.unwrap_or_else(args::default_ranks);
         let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
         return spawn::run_local(n, &argv, args.placement.bind, started);
     }
@@ -158,11 +107,11 @@ fn slowest(comm: &Communicator, secs: f64) -> ccl::Result<f64> {
 }
 
 fn run_rank(args: &BucketerArgs, config: &Config) -> Result<(), Box<dyn std::error::Error>> {
-    let timeout = cli::timeout(args.timeout)?;
+    let timeout = args::timeout(args.timeout)?;
     let store = ccl::rendezvous_store(config, timeout)?;
-    let mut options = Options::from_config(config);
+    let mut options = Options::from_config(config)?;
     options.timeout = timeout;
-    options.transport = args.transport.parse().map_err(ccl::Error::Config)?;
+    options.transport = args::transport(&args.transport);
     let comm = Communicator::new(config.rank, config.world_size, store, options)?;
     let (rank, n) = (comm.rank(), comm.world_size());
 
@@ -191,11 +140,11 @@ fn run_rank(args: &BucketerArgs, config: &Config) -> Result<(), Box<dyn std::err
              iters {}, warmup {}",
             args.transport,
             lens.len(),
-            size::format_size(args.min_size),
-            size::format_size(args.max_size),
+            crate::size::format_size(args.min_size),
+            crate::size::format_size(args.max_size),
             args.seed,
-            size::format_size(total as u64 * 4),
-            size::format_size(args.cap),
+            crate::size::format_size(total as u64 * 4),
+            crate::size::format_size(args.cap),
             args.iters,
             args.warmup
         );

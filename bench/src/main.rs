@@ -5,8 +5,8 @@
 //! bandwidth per size; `ccl-bench compare-mpi allreduce ...` runs OpenMPI on
 //! the same sizes and ranks. See bench/README.md.
 
+mod args;
 mod bucketer;
-mod cli;
 mod coll;
 mod data;
 mod mpi;
@@ -26,7 +26,7 @@ use clap::{
 };
 
 use crate::{
-    cli::{BenchArgs, Cli},
+    args::{BenchArgs, Cli},
     coll::Coll,
 };
 
@@ -103,14 +103,14 @@ fn run(started: SystemTime) -> i32 {
     };
     match cli.cmd.bench() {
         Ok((coll, args)) => bench(coll, &args, started),
-        Err(cli::Other::CompareMpi(compare)) => mpi::compare(*compare),
-        Err(cli::Other::Bucketer(args)) => bucketer::main(args, started),
-        Err(cli::Other::Tune(args)) => tune::tune(*args),
+        Err(args::Other::CompareMpi(compare)) => mpi::compare(*compare),
+        Err(args::Other::Bucketer(args)) => bucketer::main(args, started),
+        Err(args::Other::Tune(args)) => tune::tune(*args),
     }
 }
 
 fn bench(coll: Coll, args: &BenchArgs, started: SystemTime) -> i32 {
-    let plan = match cli::plan(coll, args) {
+    let plan = match args::plan(coll, args) {
         Ok(p) => p,
         Err(m) => return usage(&m),
     };
@@ -132,18 +132,17 @@ fn bench(coll: Coll, args: &BenchArgs, started: SystemTime) -> i32 {
         return worker::run(&plan, &config, started);
     }
     // Local mode: start the ranks.
-    let n = plan.ranks.unwrap_or_else(cli::default_ranks);
+    let n = plan.ranks.unwrap_or_else(args::default_ranks);
     if let Err(m) = plan.check_world(n) {
         return usage(&m);
     }
     // The ranks' configuration must hold before any is started.
     let env = spawn::rank_env(0, n, 1, started);
-    let ranks_config = Config::from_vars(|k| {
-        env.iter()
-            .find(|(name, _)| name == k)
-            .map(|(_, v)| v.clone())
-            .or_else(|| std::env::var(k).ok())
-    });
+    let process_env = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    // The ranks' own variables win over this process's.
+    let ranks_config = Config::from_vars(process_env.chain(env))
+        .and_then(|c| ccl::Options::from_config(&c).map(|_| c));
     if let Err(e) = ranks_config {
         return usage(&e.to_string());
     }

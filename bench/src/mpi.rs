@@ -20,7 +20,7 @@ use ccl_run::Bind;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    cli::{self, CompareArgs, Plan},
+    args::{self, CompareArgs, Plan},
     coll::Coll,
     plot::{self, Series},
     report::{self, Report, Row, Versions},
@@ -528,7 +528,7 @@ fn to_csv(rep: &CompareReport) -> String {
 
 /// Runs `compare-mpi`; returns the exit status.
 pub fn compare(a: CompareArgs) -> i32 {
-    let plan = match cli::common_plan(a.collective, &a.sizes, &a.common)
+    let plan = match args::common_plan(a.collective, &a.sizes, &a.common)
         .and_then(|p| check_mpi_types(&p).map(|()| p))
     {
         Ok(p) => p,
@@ -541,7 +541,7 @@ pub fn compare(a: CompareArgs) -> i32 {
         Err(e) => return usage(&e.to_string()),
         Ok(_) => {}
     }
-    let n = plan.ranks.unwrap_or_else(cli::default_ranks);
+    let n = plan.ranks.unwrap_or_else(args::default_ranks);
     if let Err(m) = plan.check_world(n) {
         return usage(&m);
     }

@@ -40,21 +40,6 @@ fn register_fonts() -> Result<(), String> {
     .clone()
 }
 
-/// Checks that `path` names a PNG file in an existing directory.
-pub fn check_path(path: &Path) -> Result<(), String> {
-    let png = path
-        .extension()
-        .and_then(|e| e.to_str())
-        .is_some_and(|e| e.eq_ignore_ascii_case("png"));
-    if !png {
-        return Err(format!(
-            "--plot {}: only PNG is supported (name the file FILE.png)",
-            path.display()
-        ));
-    }
-    crate::cli::check_output_dir("--plot", path)
-}
-
 /// Draws `series` into `path` (PNG).
 pub fn plot_busbw(path: &Path, title: &str, series: &[Series]) -> Result<(), String> {
     register_fonts()?;

@@ -7,66 +7,17 @@
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
 };
 
-use ccl_algorithms::{Links, Tuner};
-use clap::Args;
+use ccl_algorithms::Table;
 
 use crate::{
-    cli::{Placement, SizeArgs},
+    args::TuneArgs,
     coll::Coll,
     report::{unix_time, Report},
 };
-
-/// Flags of `tune`.
-#[derive(Args, Debug, Clone)]
-pub struct TuneArgs {
-    /// World sizes to measure, comma-separated
-    #[arg(
-        long = "world-sizes",
-        value_name = "N,...",
-        value_delimiter = ',',
-        default_value = "2,4,8"
-    )]
-    pub world_sizes: Vec<usize>,
-    /// Kinds of links to measure: shm (every rank on this host through shared memory), tcp
-    #[arg(
-        long,
-        value_name = "KIND,...",
-        value_delimiter = ',',
-        default_value = "shm,tcp"
-    )]
-    pub links: Vec<String>,
-    /// Collectives to measure [default: every one but sendrecv]
-    #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_enum)]
-    pub collectives: Vec<Coll>,
-    #[command(flatten)]
-    pub sizes: SizeArgs,
-    /// Timed iterations per size and algorithm
-    #[arg(short = 'n', long, value_name = "N", default_value = "10")]
-    pub iters: usize,
-    /// Untimed iterations before the timed ones
-    #[arg(short = 'w', long, value_name = "N", default_value = "3")]
-    pub warmup: usize,
-    /// Runs of each sweep; every point takes the median over them
-    #[arg(long, value_name = "N", default_value = "1")]
-    pub repeats: usize,
-    #[command(flatten)]
-    pub placement: Placement,
-    /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
-    #[arg(long, value_name = "FILE")]
-    pub out: Option<PathBuf>,
-    /// With --out: keep the lines of that file which this run does not
-    /// measure (other collectives, kinds of links or world sizes)
-    #[arg(long, requires = "out")]
-    pub merge: bool,
-    /// Measure as for a table, but print how much slower the choices of this
-    /// table are than the fastest algorithm at each point
-    #[arg(long, value_name = "TABLE", conflicts_with = "out")]
-    pub check: Option<PathBuf>,
-}
 
 /// Runs the sweeps and writes the table; returns the exit status.
 pub fn tune(args: TuneArgs) -> i32 {
@@ -269,7 +220,7 @@ fn lay_out(header: String, earlier: Option<&str>, measured: &Measured) -> Result
 /// Measures and prints, per point, the table's choice against the fastest.
 fn check(args: &TuneArgs, path: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let tuner = Tuner::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let table = Table::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let measured = measure(args)?;
     let mut out = format!(
         "# choices of {} against the fastest algorithm, {} timed iterations, median of {} runs\n\
@@ -280,17 +231,12 @@ fn check(args: &TuneArgs, path: &Path) -> Result<String, String> {
     );
     let mut ratios = Vec::new();
     for ((coll, links, n), points) in &measured {
-        let kind = if links == "shm" {
-            Links::SharedMemory
-        } else {
-            Links::Network
-        };
         for (size, at) in points {
             let Some((fastest, winner)) = at.iter().min_by(|a, b| a.0.total_cmp(&b.0)) else {
                 continue;
             };
-            let chosen = tuner
-                .pick(coll.kind(), *size, *n, kind)
+            let chosen = table
+                .pick(coll.kind(), *size, *n, links)
                 .map(|c| c.to_string())
                 .unwrap_or_else(|| "-".into());
             let Some((t, _)) = at.iter().find(|(_, a)| *a == chosen) else {
@@ -495,6 +441,6 @@ mod tests {
         );
         assert!(table.starts_with("# new header\n"));
         assert!(table.contains("#  | old header\n"));
-        assert!(Tuner::parse(&table).is_ok());
+        assert!(Table::parse(&table).is_ok());
     }
 }

@@ -13,7 +13,7 @@ use ccl::{
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::{
-    cli::Plan,
+    args::{self, Plan},
     coll::Coll,
     data::{Case, CaseSpec, Val},
     plot::{self, Series},
@@ -272,7 +272,7 @@ fn header(
         env!("CARGO_PKG_VERSION"),
         env!("CARGO_PKG_VERSION"),
         env!("CCL_BENCH_RUSTC"),
-        config.nsocks
+        config.knob("CCL_NSOCKS").unwrap_or("1")
     );
     s
 }
@@ -293,9 +293,9 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     let store = ccl::rendezvous_store(config, plan.timeout)?;
     let mut comms = Vec::with_capacity(plan.algos.len());
     for (i, algo) in plan.algos.iter().enumerate() {
-        let mut options = Options::from_config(config);
+        let mut options = Options::from_config(config)?;
         options.timeout = plan.timeout;
-        options.transport = plan.transport.parse().map_err(ccl::Error::Config)?;
+        options.transport = args::transport(&plan.transport);
         options.algo = match algo {
             None => config.algo.clone(),
             Some(a) => Some(format!("{}={a}", plan.coll.kind().name())),
@@ -318,7 +318,12 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     let [setup_s, spawn_s] = spans;
     let hosts = hosts(&comms[0])?;
     // How many ranks reach every other rank through shared memory.
-    let mut shm_peers = [comms[0].shared_memory_peers() as u64];
+    let through_shm = comms[0]
+        .transports_used()
+        .iter()
+        .find(|(name, _)| *name == "shm")
+        .map_or(0, |(_, n)| *n);
+    let mut shm_peers = [through_shm as u64];
     comms[0].allreduce(&mut shm_peers, ReduceOp::Min)?;
     let transport = format!(
         "{} ({} of {} peers through shared memory)",
@@ -452,7 +457,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             iters: plan.iters,
             warmup: plan.warmup,
             timeout_s: plan.timeout.as_secs_f64(),
-            nsocks: config.nsocks,
+            nsocks: config.knob_number("CCL_NSOCKS", 1, 1..=64)?,
             sizes_requested: plan.sizes.clone(),
             time_definition: report::TIME_DEFINITION.into(),
             size_definition: "bytes of the whole buffer (n x per-rank part for allgather, \

@@ -667,7 +667,7 @@ fn tune_writes_a_table_the_tuner_reads() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let text = std::fs::read_to_string(&table).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    let tuner = ccl_algorithms::Tuner::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let tuner = ccl_algorithms::Table::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     for kind in [
         ccl::CollectiveKind::AllReduce,
         ccl::CollectiveKind::Broadcast,

@@ -5,7 +5,8 @@
 //! [`BufMut`], [`MemoryKind`]) and the [`Kernels`] each kind brings; one
 //! call untyped ([`Collective`], [`Call`]); the wire frame ([`FrameHeader`]);
 //! the [`Link`] and [`Transport`] traits transports implement and the
-//! [`GroupMemory`] some of them offer; the [`Work`] handle; how waiting
+//! [`GroupMemory`] some of them offer, and [`loopback`] links through this
+//! process's memory; the [`Work`] handle; how waiting
 //! threads poll ([`Spin`], [`Repoll`]); the rendezvous [`Store`] trait; the
 //! [`JobSecret`] and [`Error`]. It depends on no other ccl crate.
 
@@ -17,6 +18,7 @@ pub mod frame;
 mod group;
 pub mod kernels;
 mod link;
+pub mod loopback;
 mod memory;
 pub mod op;
 mod repoll;

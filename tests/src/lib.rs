@@ -12,6 +12,8 @@ use std::{
 
 use ccl::{Communicator, Error, HashStore, Options, Store};
 
+pub mod loopback;
+
 /// Runs `f(comm)` on `n` ranks, each a thread of this process with its own
 /// communicator (all on one host, so they share memory as processes would).
 pub fn with_ranks<T: Send + 'static>(

@@ -5,7 +5,6 @@
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
 mod mem_group;
-mod mem_links;
 
 use std::{sync::Arc, time::Duration};
 
@@ -16,7 +15,7 @@ use ccl_core::{
 use futures::future::join_all;
 
 use crate::{execute, group, Algorithm, IoBuffers};
-use mem_links::mesh;
+use ccl_core::loopback::mesh;
 
 /// Distinct value that rank r contributes at index i.
 fn val(r: usize, i: usize) -> u64 {

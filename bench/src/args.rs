@@ -1,4 +1,5 @@
-//! The command line, and its validation into a [`Plan`].
+//! The command line of every subcommand, and its validation into a
+//! [`Plan`]. The subcommands' modules depend on this one, never the reverse.
 
 use std::{
     path::{Path, PathBuf},
@@ -73,16 +74,16 @@ pub enum Cmd {
     /// Run ccl and OpenMPI (shared memory, and TCP) alternately on the same sizes and ranks
     CompareMpi(CompareArgs),
     /// Fused allreduce of many tensors (ccl::Bucketer) against one allreduce of their total and one per tensor
-    Bucketer(crate::bucketer::BucketerArgs),
+    Bucketer(BucketerArgs),
     /// Measure every algorithm and write the tuning table ccl picks algorithms from
-    Tune(crate::tune::TuneArgs),
+    Tune(TuneArgs),
 }
 
 /// A subcommand that is not one collective's benchmark.
 pub enum Other {
     CompareMpi(Box<CompareArgs>),
-    Bucketer(crate::bucketer::BucketerArgs),
-    Tune(Box<crate::tune::TuneArgs>),
+    Bucketer(BucketerArgs),
+    Tune(Box<TuneArgs>),
 }
 
 impl Cmd {
@@ -317,6 +318,21 @@ pub struct Plan {
     pub plot: Option<PathBuf>,
 }
 
+/// Checks that `path` names a PNG file in an existing directory.
+pub fn check_plot_path(path: &Path) -> Result<(), String> {
+    let png = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .is_some_and(|e| e.eq_ignore_ascii_case("png"));
+    if !png {
+        return Err(format!(
+            "--plot {}: only PNG is supported (name the file FILE.png)",
+            path.display()
+        ));
+    }
+    check_output_dir("--plot", path)
+}
+
 /// Checks that the directory `path` will be written in exists.
 pub fn check_output_dir(flag: &str, path: &Path) -> Result<(), String> {
     if path.as_os_str().is_empty() {
@@ -352,6 +368,13 @@ pub fn timeout(flag: Option<Duration>) -> Result<Duration, String> {
             .ok_or_else(|| format!("CCL_TIMEOUT={v:?} is not a duration like 600, 30s or 10m")),
         Err(_) => Ok(DEFAULT_TIMEOUT),
     }
+}
+
+/// The transport `--transport` names: `None` for auto (each pair takes the
+/// first transport that can connect it).
+pub fn transport(name: &str) -> Option<String> {
+    let name = name.trim().to_ascii_lowercase();
+    (name != "auto").then_some(name)
 }
 
 /// Checks the op against the dtype (for collectives that reduce).
@@ -418,7 +441,7 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
         }
     }
     if let Some(p) = &c.plot {
-        crate::plot::check_path(p)?;
+        check_plot_path(p)?;
     }
     Ok(Plan {
         coll,
@@ -480,4 +503,99 @@ impl Plan {
         }
         Ok(())
     }
+}
+
+/// A whole number of at least 1.
+fn positive_arg(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("'{s}' is not a whole number")),
+    }
+}
+
+/// Flags of `ccl-bench bucketer`.
+#[derive(Args, Debug, Clone)]
+pub struct BucketerArgs {
+    /// Number of tensors
+    #[arg(long, value_name = "N", default_value = "1000", value_parser = positive_arg)]
+    pub tensors: usize,
+    /// Smallest tensor
+    #[arg(short = 'b', long, value_name = "SIZE", default_value = "4KB", value_parser = size_arg)]
+    pub min_size: u64,
+    /// Largest tensor
+    #[arg(short = 'e', long, value_name = "SIZE", default_value = "1MB", value_parser = size_arg)]
+    pub max_size: u64,
+    /// Seed of the tensor sizes and of the ready orders
+    #[arg(long, value_name = "N", default_value = "1")]
+    pub seed: u64,
+    /// Bucket capacity
+    #[arg(long, value_name = "SIZE", default_value = "25MB", value_parser = size_arg)]
+    pub cap: u64,
+    /// Ranks to start locally [default: 2, or the number of cores up to 8]; under a launcher, must match it
+    #[arg(short = 'N', long, value_name = "N", value_parser = positive_arg)]
+    pub ranks: Option<usize>,
+    #[command(flatten)]
+    pub placement: Placement,
+    /// Timed iterations
+    #[arg(short = 'n', long, value_name = "N", default_value = "10", value_parser = positive_arg)]
+    pub iters: usize,
+    /// Untimed iterations before the timed ones
+    #[arg(short = 'w', long, value_name = "N", default_value = "2")]
+    pub warmup: usize,
+    /// Transport: auto, tcp or shm
+    #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
+    pub transport: String,
+    /// Deadline of every call and of the set-up [default: CCL_TIMEOUT, else 60s]
+    #[arg(long, value_name = "DURATION", value_parser = |s: &str| ccl::config::parse_duration(s)
+          .filter(|d| !d.is_zero()).ok_or_else(|| format!("'{s}' is not a positive duration")))]
+    pub timeout: Option<Duration>,
+}
+
+/// Flags of `tune`.
+#[derive(Args, Debug, Clone)]
+pub struct TuneArgs {
+    /// World sizes to measure, comma-separated
+    #[arg(
+        long = "world-sizes",
+        value_name = "N,...",
+        value_delimiter = ',',
+        default_value = "2,4,8"
+    )]
+    pub world_sizes: Vec<usize>,
+    /// Kinds of links to measure: shm (every rank on this host through shared memory), tcp
+    #[arg(
+        long,
+        value_name = "KIND,...",
+        value_delimiter = ',',
+        default_value = "shm,tcp"
+    )]
+    pub links: Vec<String>,
+    /// Collectives to measure [default: every one but sendrecv]
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',', value_enum)]
+    pub collectives: Vec<Coll>,
+    #[command(flatten)]
+    pub sizes: SizeArgs,
+    /// Timed iterations per size and algorithm
+    #[arg(short = 'n', long, value_name = "N", default_value = "10")]
+    pub iters: usize,
+    /// Untimed iterations before the timed ones
+    #[arg(short = 'w', long, value_name = "N", default_value = "3")]
+    pub warmup: usize,
+    /// Runs of each sweep; every point takes the median over them
+    #[arg(long, value_name = "N", default_value = "1")]
+    pub repeats: usize,
+    #[command(flatten)]
+    pub placement: Placement,
+    /// Write the table here (e.g. algorithms/tuning.table) instead of to stdout
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+    /// With --out: keep the lines of that file which this run does not
+    /// measure (other collectives, kinds of links or world sizes)
+    #[arg(long, requires = "out")]
+    pub merge: bool,
+    /// Measure as for a table, but print how much slower the choices of this
+    /// table are than the fastest algorithm at each point
+    #[arg(long, value_name = "TABLE", conflicts_with = "out")]
+    pub check: Option<PathBuf>,
 }
