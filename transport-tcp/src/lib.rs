@@ -23,6 +23,7 @@
 
 mod link;
 mod mesh;
+mod socket;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 

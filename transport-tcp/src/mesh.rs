@@ -3,25 +3,26 @@
 
 use std::{
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV6},
-    sync::{Arc, Mutex, MutexGuard, OnceLock},
+    net::SocketAddr,
+    sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
 use ccl_core::{Error, JobSecret, Link, Result, Setup};
 use ccl_rendezvous::auth::{self, Acceptor, Answer, AuthError};
 use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
-use socket2::{Domain, Protocol, Socket, Type};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
-    net::{TcpListener, TcpSocket, TcpStream},
+    net::{TcpListener, TcpStream},
     sync::Notify,
 };
 
-use crate::{link::TcpLink, TcpOptions};
+use crate::{
+    link::TcpLink,
+    socket::{listen, local_address, open, watch_peer},
+    TcpOptions,
+};
 
-/// Send and receive buffer size of every socket.
-const SOCKET_BUFFER: usize = 4 << 20;
 /// How long an accepted connection has to authenticate and send its hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(2);
 const HELLO_MAGIC: [u8; 4] = *b"CCLH";
@@ -308,121 +309,6 @@ pub async fn connect_mesh(setup: &Setup, opts: &TcpOptions) -> Result<Vec<Option
         all[p] = Some(link);
     }
     Ok(all)
-}
-
-/// The address to listen on: the interface's, else `local_ip`, else loopback.
-fn local_address(opts: &TcpOptions) -> Result<SocketAddr> {
-    if let Some(name) = &opts.interface {
-        return interface_address(name);
-    }
-    Ok(SocketAddr::new(
-        opts.local_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-        0,
-    ))
-}
-
-/// The address of network interface `name`: IPv4 if it has one, else a global
-/// IPv6 address, else a link-local one (with its scope).
-fn interface_address(name: &str) -> Result<SocketAddr> {
-    let addrs = nix::ifaddrs::getifaddrs()
-        .map_err(|e| Error::Config(format!("listing network interfaces for '{name}': {e}")))?;
-    let mut found = false;
-    let (mut v4, mut v6, mut v6_local) = (None, None, None);
-    for ifa in addrs.filter(|i| i.interface_name == name) {
-        found = true;
-        let Some(a) = ifa.address else { continue };
-        if let Some(sin) = a.as_sockaddr_in() {
-            v4 = v4.or(Some(SocketAddr::new(IpAddr::V4(sin.ip()), 0)));
-        } else if let Some(sin6) = a.as_sockaddr_in6() {
-            let ip = sin6.ip();
-            if ip.segments()[0] & 0xffc0 == 0xfe80 {
-                v6_local = v6_local.or(Some(SocketAddr::V6(SocketAddrV6::new(
-                    ip,
-                    0,
-                    0,
-                    sin6.scope_id(),
-                ))));
-            } else {
-                v6 = v6.or(Some(SocketAddr::new(IpAddr::V6(ip), 0)));
-            }
-        }
-    }
-    if !found {
-        return Err(Error::Config(format!(
-            "network interface '{name}' (CCL_SOCKET_IFNAME) does not exist"
-        )));
-    }
-    v4.or(v6)
-        .or(v6_local)
-        .ok_or_else(|| Error::Config(format!("network interface '{name}' has no IP address")))
-}
-
-/// Whether the kernel grants [`SOCKET_BUFFER`]-byte buffers. Where it caps
-/// them lower (`net.core.rmem_max`/`wmem_max`, 208 KiB by default), an explicit
-/// size would be cut down and would also switch off the kernel's buffer
-/// auto-tuning, which grows past it; buffers are then left to the kernel.
-fn large_buffers_granted() -> bool {
-    static GRANTED: OnceLock<bool> = OnceLock::new();
-    *GRANTED.get_or_init(|| {
-        let max = |name: &str| {
-            std::fs::read_to_string(format!("/proc/sys/net/core/{name}")).ok().and_then(|s| s.trim().parse::<usize>().ok())
-        };
-        let granted = [max("rmem_max"), max("wmem_max")].iter().all(|m| m.is_none_or(|m| m >= SOCKET_BUFFER));
-        if !granted {
-            tracing::debug!("net.core.rmem_max/wmem_max below {SOCKET_BUFFER} bytes: leaving TCP buffers to auto-tuning");
-        }
-        granted
-    })
-}
-
-/// Large send and receive buffers (set before connect or listen, so that the
-/// window scale covers them).
-fn set_buffers(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
-    if !large_buffers_granted() {
-        return Ok(());
-    }
-    s.set_send_buffer_size(SOCKET_BUFFER)?;
-    s.set_recv_buffer_size(SOCKET_BUFFER)
-}
-
-/// How long an idle link waits before it probes its peer, then between
-/// probes, and how many probes may go unanswered: a peer whose host vanished
-/// (a cut cable, a dead veth) is noticed after about 5 s of silence.
-const KEEPALIVE: (Duration, Duration, u32) = (Duration::from_secs(2), Duration::from_secs(1), 3);
-/// Sent data left unacknowledged this long fails the link (`TCP_USER_TIMEOUT`).
-const UNACKED_LIMIT: Duration = Duration::from_secs(10);
-
-/// Makes a link socket notice a vanished peer within seconds even while it
-/// only waits (keepalive probes) or only sends (`TCP_USER_TIMEOUT`), instead
-/// of at the call's deadline.
-fn watch_peer(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
-    let (idle, interval, probes) = KEEPALIVE;
-    s.set_tcp_keepalive(
-        &socket2::TcpKeepalive::new()
-            .with_time(idle)
-            .with_interval(interval)
-            .with_retries(probes),
-    )?;
-    s.set_tcp_user_timeout(Some(UNACKED_LIMIT))
-}
-
-/// A non-blocking listener on `addr` (port 0: any), sockets it accepts
-/// inheriting large buffers.
-fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpListener> {
-    let ctx = |e| Error::io(format!("listening on {addr}"), e);
-    let socket =
-        Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(ctx)?;
-    if addr.is_ipv6() {
-        socket.set_only_v6(true).map_err(ctx)?;
-    }
-    set_buffers(&(&socket).into()).map_err(ctx)?;
-    socket.set_nodelay(true).map_err(ctx)?;
-    socket.bind(&addr.into()).map_err(ctx)?;
-    socket
-        .listen(backlog.min(i32::MAX as usize) as i32)
-        .map_err(ctx)?;
-    socket.set_nonblocking(true).map_err(ctx)?;
-    Ok(socket.into())
 }
 
 /// What the connect and accept halves of the set-up share.
@@ -837,19 +723,6 @@ fn refused_io(rank: usize, peer: usize, addr: SocketAddr, e: std::io::Error) -> 
     ))
 }
 
-/// A socket with large buffers connected to `addr`.
-async fn open(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let socket = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    set_buffers(&socket2::SockRef::from(&socket))?;
-    socket.set_nodelay(true)?;
-    watch_peer(&socket2::SockRef::from(&socket))?;
-    socket.connect(addr).await
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -868,15 +741,5 @@ mod tests {
         assert!(Hello::decode(&[0xff; HELLO_LEN]).is_err());
         assert!(Hello::decode(&h.encode()[..10]).is_err());
         assert!(fuzz_decode(&[]).is_err());
-    }
-
-    #[test]
-    fn interface_lookup() {
-        let lo = interface_address("lo").unwrap();
-        assert!(lo.ip().is_loopback(), "{lo}");
-        assert!(matches!(
-            interface_address("no-such-if0"),
-            Err(Error::Config(_))
-        ));
     }
 }

@@ -5,6 +5,11 @@
 //! world) on whether it failed anywhere, so that they stop together: after
 //! [`MAX_FAILING_CALLS`] failing calls in a seed, or at once when ccl
 //! returned an error or a split disagreed with MPI's.
+//!
+//! This file is longer than the others (about 1,150 lines) on purpose:
+//! `Runner` keeps, for every collective, the MPI call and the ccl call side
+//! by side, so that one screen shows both getting the same arguments and
+//! the comparison of their results.
 
 use std::time::Instant;
 

@@ -1,15 +1,20 @@
 //! [`Bucketer`]: bucketed gradient fusion, what PyTorch DDP's reducer and
 //! Horovod's tensor fusion do.
 
+mod completion;
+mod erased;
+
 use std::{
-    any::Any,
     fmt,
     sync::{mpsc, Arc, Mutex},
 };
 
-use ccl_core::{work_pair, Completer, DataType, Element, Error, ReduceOp, Result, Work};
+use ccl_core::{work_pair, DataType, Element, Error, ReduceOp, Result, Work};
 
 use crate::Communicator;
+pub use completion::Reduced;
+use completion::{complete_steps, Msg};
+use erased::{range_err, typed, typed_mut, Boxed, Ops};
 
 /// Default bucket capacity: 25 MiB, as PyTorch DDP's `bucket_cap_mb`.
 pub const DEFAULT_BUCKET_CAP_BYTES: usize = 25 << 20;
@@ -21,175 +26,6 @@ pub struct TensorId(pub usize);
 impl fmt::Display for TensorId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "tensor {}", self.0)
-    }
-}
-
-type Boxed = Box<dyn Any + Send>;
-/// A launched allreduce, or why it could not start.
-type Launched = Result<Box<dyn Pending>>;
-
-/// The operations on type-erased `Vec<T>`s a bucket needs, for one `T`.
-struct Ops {
-    /// A zeroed `Vec<T>` of `len` elements.
-    alloc: fn(usize) -> Boxed,
-    /// `bucket[offset..offset + len] = tensor` (or `+=` when `add`).
-    pack: fn(&mut Boxed, &Boxed, usize, bool) -> Result<()>,
-    /// `tensor = bucket[offset..offset + len]`.
-    unpack: fn(&Boxed, &mut Boxed, usize) -> Result<()>,
-    /// Launches the allreduce of a `Vec<T>`.
-    launch: fn(&Communicator, Boxed, ReduceOp) -> Launched,
-    /// Launches the allreduce of several `Vec<T>`s where they lie
-    /// ([`Communicator::launch_allreduce_on`]); the result is a `Vec<Vec<T>>`.
-    launch_on: fn(&Communicator, Vec<Boxed>, ReduceOp) -> Launched,
-    /// A `Vec<Vec<T>>` as its `Vec<T>`s.
-    split: fn(Boxed) -> Result<Vec<Boxed>>,
-}
-
-/// A launched allreduce whose result is a type-erased `Vec<T>`.
-trait Pending: Send {
-    fn wait(self: Box<Self>) -> Result<Boxed>;
-}
-
-impl<T: Element> Pending for Work<Vec<T>> {
-    fn wait(self: Box<Self>) -> Result<Boxed> {
-        (*self).wait().map(|v| Box::new(v) as Boxed)
-    }
-}
-
-/// An allreduce of several `Vec<T>`s, whose result is a `Vec<Vec<T>>`.
-struct InPlace<T>(Work<Vec<Vec<T>>>);
-
-impl<T: Element> Pending for InPlace<T> {
-    fn wait(self: Box<Self>) -> Result<Boxed> {
-        self.0.wait().map(|v| Box::new(v) as Boxed)
-    }
-}
-
-fn typed<T: Element>(b: &Boxed) -> Result<&Vec<T>> {
-    b.downcast_ref::<Vec<T>>()
-        .ok_or_else(|| Error::Internal(format!("bucketer: a buffer is not a Vec<{}>", T::DTYPE)))
-}
-
-fn typed_mut<T: Element>(b: &mut Boxed) -> Result<&mut Vec<T>> {
-    b.downcast_mut::<Vec<T>>()
-        .ok_or_else(|| Error::Internal(format!("bucketer: a buffer is not a Vec<{}>", T::DTYPE)))
-}
-
-fn range_err(what: &str) -> Error {
-    Error::Internal(format!("bucketer: {what} out of the bucket's range"))
-}
-
-impl Ops {
-    fn of<T: Element>() -> &'static Ops {
-        fn alloc<T: Element>(len: usize) -> Boxed {
-            Box::new(vec![T::zeroed(); len])
-        }
-        fn pack<T: Element>(
-            bucket: &mut Boxed,
-            tensor: &Boxed,
-            off: usize,
-            add: bool,
-        ) -> Result<()> {
-            let t = typed::<T>(tensor)?;
-            let b = typed_mut::<T>(bucket)?;
-            let dst = b
-                .get_mut(off..off + t.len())
-                .ok_or_else(|| range_err("pack"))?;
-            if add {
-                ccl_core::kernels::reduce(
-                    ReduceOp::Sum,
-                    T::DTYPE,
-                    bytemuck::cast_slice_mut(dst),
-                    None,
-                    bytemuck::cast_slice(t),
-                )
-            } else {
-                dst.copy_from_slice(t);
-                Ok(())
-            }
-        }
-        fn unpack<T: Element>(bucket: &Boxed, tensor: &mut Boxed, off: usize) -> Result<()> {
-            let b = typed::<T>(bucket)?;
-            let t = typed_mut::<T>(tensor)?;
-            let src = b
-                .get(off..off + t.len())
-                .ok_or_else(|| range_err("unpack"))?;
-            t.copy_from_slice(src);
-            Ok(())
-        }
-        fn launch<T: Element>(
-            comm: &Communicator,
-            buf: Boxed,
-            op: ReduceOp,
-        ) -> Result<Box<dyn Pending>> {
-            let v = buf.downcast::<Vec<T>>().map_err(|_| {
-                Error::Internal(format!("bucketer: a buffer is not a Vec<{}>", T::DTYPE))
-            })?;
-            Ok(Box::new(comm.iallreduce(*v, op)))
-        }
-        fn launch_on<T: Element>(
-            comm: &Communicator,
-            bufs: Vec<Boxed>,
-            op: ReduceOp,
-        ) -> Result<Box<dyn Pending>> {
-            let vecs = bufs
-                .into_iter()
-                .map(|b| b.downcast::<Vec<T>>().map(|v| *v))
-                .collect::<std::result::Result<Vec<Vec<T>>, _>>()
-                .map_err(|_| {
-                    Error::Internal(format!("bucketer: a tensor is not a Vec<{}>", T::DTYPE))
-                })?;
-            let mut vecs = vecs;
-            let pieces = vecs
-                .iter_mut()
-                .map(|v| {
-                    let bytes: &mut [u8] = bytemuck::cast_slice_mut(v);
-                    (bytes.as_mut_ptr(), bytes.len())
-                })
-                .collect();
-            // SAFETY: the vectors' heap memory does not move when they move
-            // into the completion, which keeps them alive and untouched
-            // until the engine is done with them.
-            let work = unsafe { comm.launch_allreduce_on(T::DTYPE, op, pieces, move || vecs) };
-            Ok(Box::new(InPlace(work)))
-        }
-        fn split<T: Element>(all: Boxed) -> Result<Vec<Boxed>> {
-            let vecs = all.downcast::<Vec<Vec<T>>>().map_err(|_| {
-                Error::Internal(format!(
-                    "bucketer: a result is not a Vec<Vec<{}>>",
-                    T::DTYPE
-                ))
-            })?;
-            Ok(vecs.into_iter().map(|v| Box::new(v) as Boxed).collect())
-        }
-        macro_rules! table {
-            ($($t:ty),*) => {{
-                $(if T::DTYPE == <$t as Element>::DTYPE {
-                    static OPS: Ops = Ops {
-                        alloc: alloc::<$t>,
-                        pack: pack::<$t>,
-                        unpack: unpack::<$t>,
-                        launch: launch::<$t>,
-                        launch_on: launch_on::<$t>,
-                        split: split::<$t>,
-                    };
-                    return &OPS;
-                })*
-                unreachable!("every Element type is listed")
-            }};
-        }
-        table!(
-            i8,
-            u8,
-            i32,
-            u32,
-            i64,
-            u64,
-            crate::f16,
-            crate::bf16,
-            f32,
-            f64
-        )
     }
 }
 
@@ -225,24 +61,6 @@ impl Bucket {
     fn direct(&self) -> bool {
         self.tensors.len() == 1
     }
-}
-
-/// What the completion thread is told.
-enum Msg {
-    /// Bucket `bucket` was launched; `tensors` are (id, buffer, offset) to
-    /// fill from its result; a direct bucket's result is tensor `direct`;
-    /// a bucket reduced where its tensors lie gives back tensors `in_place`,
-    /// in that order.
-    Launched {
-        bucket: usize,
-        pending: Result<Box<dyn Pending>>,
-        ops: &'static Ops,
-        tensors: Vec<(usize, Boxed, usize)>,
-        direct: Option<usize>,
-        in_place: Vec<usize>,
-    },
-    /// Every bucket of the step was launched: complete the step's `Work`.
-    Finish(Completer<Reduced>),
 }
 
 /// Bucketed gradient fusion: what PyTorch DDP's reducer and Horovod's tensor
@@ -852,125 +670,5 @@ impl Bucketer {
             Err(e) => completer.complete(Err(e)),
         }
         work
-    }
-}
-
-/// Waits for each launched bucket in launch order, unpacks it into its
-/// tensors, and completes each step's `Work`.
-fn complete_steps(rx: mpsc::Receiver<Msg>, pool: Arc<Mutex<Vec<Option<Boxed>>>>, n: usize) {
-    let mut slots: Vec<Option<Boxed>> = (0..n).map(|_| None).collect();
-    let mut first_error: Option<Error> = None;
-    while let Ok(msg) = rx.recv() {
-        match msg {
-            Msg::Launched {
-                bucket,
-                pending,
-                ops,
-                tensors,
-                direct,
-                in_place,
-            } => {
-                let result = pending.and_then(|p| p.wait());
-                match (result, direct) {
-                    (Ok(buf), Some(id)) => slots[id] = Some(buf),
-                    (Ok(all), None) if !in_place.is_empty() => match (ops.split)(all) {
-                        Ok(grads) => {
-                            for (id, g) in in_place.into_iter().zip(grads) {
-                                slots[id] = Some(g);
-                            }
-                        }
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
-                    },
-                    (Ok(buf), None) => {
-                        for (id, mut g, off) in tensors {
-                            if let Err(e) = (ops.unpack)(&buf, &mut g, off) {
-                                first_error.get_or_insert(e);
-                            }
-                            slots[id] = Some(g);
-                        }
-                        if let Some(s) = pool
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_mut(bucket)
-                        {
-                            *s = Some(buf);
-                        }
-                    }
-                    (Err(e), _) => {
-                        first_error.get_or_insert(e);
-                    }
-                }
-            }
-            Msg::Finish(completer) => {
-                let taken = std::mem::replace(&mut slots, (0..n).map(|_| None).collect());
-                match first_error.take() {
-                    Some(e) => completer.complete(Err(e)),
-                    None => completer.complete(Ok(Reduced { slots: taken })),
-                }
-            }
-        }
-    }
-}
-
-/// The tensors of one step, reduced: take each back by its [`TensorId`].
-pub struct Reduced {
-    slots: Vec<Option<Boxed>>,
-}
-
-impl fmt::Debug for Reduced {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let left = self.slots.iter().filter(|s| s.is_some()).count();
-        write!(f, "Reduced({left} of {} tensors left)", self.slots.len())
-    }
-}
-
-impl Reduced {
-    fn new(tensors: &[Tensor]) -> Reduced {
-        Reduced {
-            slots: tensors.iter().map(|_| None).collect(),
-        }
-    }
-
-    /// Number of tensors of the step (taken or not).
-    pub fn len(&self) -> usize {
-        self.slots.len()
-    }
-
-    /// True when the step had no tensors.
-    pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
-    }
-
-    /// Takes tensor `id` back: the `Vec` handed to [`Bucketer::ready`],
-    /// holding the reduced values.
-    pub fn take<T: Element>(&mut self, id: TensorId) -> Result<Vec<T>> {
-        let n = self.slots.len();
-        let slot = self
-            .slots
-            .get_mut(id.0)
-            .ok_or_else(|| invalid(format!("unknown {id} (the step had {n} tensors)")))?;
-        let b = slot.take().ok_or_else(|| {
-            invalid(format!(
-                "{id} has no Vec here: already taken, or marked ready in place \
-                     (read it with Bucketer::view)"
-            ))
-        })?;
-        match b.downcast::<Vec<T>>() {
-            Ok(v) => Ok(*v),
-            Err(b) => {
-                *slot = Some(b);
-                Err(invalid(format!("{id} is not a tensor of {}", T::DTYPE)))
-            }
-        }
-    }
-
-    /// Takes every tensor back, in registration order, when they all have
-    /// element type `T`.
-    pub fn into_vecs<T: Element>(mut self) -> Result<Vec<Vec<T>>> {
-        (0..self.slots.len())
-            .map(|i| self.take(TensorId(i)))
-            .collect()
     }
 }

@@ -1,0 +1,134 @@
+//! Group memory beyond results: mismatched calls, aborts, and board-direct
+//! on several buffers taken end to end.
+
+use std::time::Duration;
+
+use ccl_core::{Call, Collective, CollectiveKind, DataType, Error, HOST_KERNELS};
+
+use super::{mem_group, sum_at, val, GROUP_SLOT_BYTES};
+use crate::{group, Algorithm, IoBuffers};
+
+/// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
+/// as threads; returns each rank's result.
+fn on_group<T: Send>(n: usize, each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync) -> Vec<T> {
+    let members = mem_group::group(n, GROUP_SLOT_BYTES);
+    std::thread::scope(|s| {
+        let each = &each;
+        let running: Vec<_> = members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| s.spawn(move || each(rank, m)))
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    })
+}
+
+/// Ranks that make different calls on group memory get a mismatch naming
+/// both calls, whether the calls run there or only announce themselves.
+#[test]
+fn mismatched_calls_on_group_memory_are_reported() {
+    let call = |rank: usize| Call {
+        comm: 1,
+        seq: 4,
+        rank,
+        world_size: 3,
+        coll: Collective::new(CollectiveKind::AllReduce, DataType::F32, 8 + rank),
+    };
+    let ran = on_group(3, |rank, m| {
+        let mut buf = vec![0u8; (8 + rank) * 4];
+        let io = IoBuffers::host_in_place(&mut buf);
+        group::run(
+            Algorithm::Board,
+            m,
+            &call(rank),
+            &io,
+            Duration::from_secs(20),
+        )
+    });
+    let announced = on_group(3, |rank, m| {
+        group::announce(m, &call(rank), Duration::from_secs(20))
+    });
+    for results in [ran, announced] {
+        for (rank, r) in results.into_iter().enumerate() {
+            match r {
+                Err(Error::Mismatch { rank: me, ours, .. }) => {
+                    assert_eq!(me, rank);
+                    assert!(ours.contains(&format!("f32×{}", 8 + rank)), "{ours}");
+                }
+                other => panic!("rank {rank}: expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+}
+
+/// A rank that gives up marks the memory: ranks waiting for it fail at once,
+/// naming the rank it blamed (or, for the blamed rank, the one that gave up).
+#[test]
+fn an_abort_on_group_memory_ends_the_waits() {
+    let results = on_group(3, |rank, m| {
+        let call = Call {
+            comm: 1,
+            seq: 0,
+            rank,
+            world_size: 3,
+            coll: Collective::new(CollectiveKind::Barrier, DataType::U8, 0),
+        };
+        if rank == 2 {
+            std::thread::sleep(Duration::from_millis(50));
+            ccl_core::GroupMemory::abort(m, 0);
+            return Ok(());
+        }
+        let io = IoBuffers::host_in_place(&mut []);
+        group::run(Algorithm::Board, m, &call, &io, Duration::from_secs(20))
+    });
+    for (r, blamed) in results[..2].iter().zip([2, 0]) {
+        assert!(
+            matches!(r, Err(Error::PeerLost { peer, ref call, .. }) if *peer == blamed && call.contains("barrier")),
+            "{r:?}"
+        );
+    }
+}
+
+/// Board-direct allreduce in place on several buffers taken end to end (a
+/// bucket's tensors where they lie) reduces them as one buffer.
+#[test]
+fn board_direct_reduces_several_buffers_as_one() {
+    for n in [1, 2, 3, 5] {
+        let sizes = [1usize, 0, 37, 5, 64, 2];
+        let total: usize = sizes.iter().sum();
+        let outs = on_group(n, |rank, m| {
+            let mut bufs: Vec<Vec<u64>> = Vec::new();
+            let mut at = 0;
+            for &len in &sizes {
+                bufs.push((at..at + len).map(|i| val(rank, i)).collect());
+                at += len;
+            }
+            let pieces = bufs
+                .iter_mut()
+                .map(|b| (b.as_mut_ptr().cast::<u8>(), b.len() * 8))
+                .collect();
+            // SAFETY: the vectors outlive the call and nothing else touches them.
+            let io = unsafe { IoBuffers::pieces_in_place(pieces, &HOST_KERNELS) };
+            let call = Call {
+                comm: 1,
+                seq: 0,
+                rank,
+                world_size: n,
+                coll: Collective::new(CollectiveKind::AllReduce, DataType::U64, total),
+            };
+            group::run(
+                Algorithm::BoardDirect,
+                m,
+                &call,
+                &io,
+                Duration::from_secs(20),
+            )
+            .unwrap();
+            bufs.concat()
+        });
+        let want: Vec<u64> = (0..total).map(|i| sum_at(n, i)).collect();
+        for (rank, out) in outs.into_iter().enumerate() {
+            assert_eq!(out, want, "n={n} rank {rank}");
+        }
+    }
+}

@@ -1,0 +1,435 @@
+//! One rank of ccl's multi-process tests. Joins from torchrun-style variables,
+//! runs the scenario named by its first argument, checks every result against
+//! values computed here independently of ccl, and exits 0 only if all match.
+//!
+//! Scenarios: `collectives` (every collective × dtype × op, in-place,
+//! out-of-place and async), `split`, `p2p`, `mismatch`, `die VICTIM`,
+//! `store-gone DIR`, and more (see `main`). `serve-store` is no rank: it
+//! serves a TCP store at `MASTER_ADDR:MASTER_PORT` until it is killed.
+
+use std::{process::exit, time::Instant};
+
+mod checks;
+
+use ccl::{bf16, f16, Communicator, ReduceOp};
+use checks::{check_type, Checker};
+
+fn collectives(comm: &Communicator, ck: &mut Checker) {
+    let counts = [0, 1, 7, 1031];
+    check_type::<i8>(comm, ck, &counts);
+    check_type::<u8>(comm, ck, &counts);
+    check_type::<i32>(comm, ck, &counts);
+    check_type::<u32>(comm, ck, &counts);
+    check_type::<i64>(comm, ck, &counts);
+    check_type::<u64>(comm, ck, &counts);
+    check_type::<f16>(comm, ck, &counts);
+    check_type::<bf16>(comm, ck, &counts);
+    check_type::<f32>(comm, ck, &counts);
+    check_type::<f64>(comm, ck, &counts);
+    // Large enough to be cut into many pipelined pieces.
+    check_type::<f32>(comm, ck, &[300_007]);
+}
+
+fn p2p(comm: &Communicator, ck: &mut Checker) {
+    let (r, n) = (comm.rank(), comm.world_size());
+    if n == 1 {
+        return;
+    }
+    for c in [0usize, 1, 1000, 2_000_003] {
+        let right = (r + 1) % n;
+        let left = (r + n - 1) % n;
+        let mine: Vec<u32> = (0..c).map(|i| (r * 1000 + i) as u32).collect();
+        let w = comm.isend(mine.clone(), right);
+        let mut got = vec![0u32; c];
+        ck.ok("recv", comm.recv(&mut got, left));
+        ck.ok("isend", w.wait());
+        ck.vec(
+            &format!("ring exchange count {c}"),
+            &got,
+            |i| (left * 1000 + i) as u32,
+            c,
+        );
+        let w = comm.irecv(vec![0u32; c], left);
+        ck.ok("send", comm.send(&mine, right));
+        if let Some(x) = ck.ok("irecv", w.wait()) {
+            ck.vec(
+                &format!("irecv count {c}"),
+                &x,
+                |i| (left * 1000 + i) as u32,
+                c,
+            );
+        }
+    }
+}
+
+fn split(comm: &Communicator, ck: &mut Checker) {
+    let (r, n) = (comm.rank(), comm.world_size());
+    // The last rank joins no group; the others split by parity, ordered by descending rank.
+    let color = if r == n - 1 && n > 1 {
+        None
+    } else {
+        Some((r % 2) as u32)
+    };
+    let sub = ck.ok("split", comm.split(color, -(r as i64))).flatten();
+    match (color, sub) {
+        (None, None) => {}
+        (None, Some(_)) => ck.fail("rank with no color got a communicator".into()),
+        (Some(_), None) => ck.fail("split returned no communicator".into()),
+        (Some(col), Some(sub)) => {
+            let mut members: Vec<usize> = (0..n)
+                .filter(|&p| (p % 2) as u32 == col && !(p == n - 1 && n > 1))
+                .collect();
+            members.reverse();
+            let want_rank = members.iter().position(|&p| p == r).unwrap();
+            ck.checks += 1;
+            if sub.rank() != want_rank || sub.world_size() != members.len() {
+                ck.fail(format!(
+                    "split: rank {} of {}, want {want_rank} of {}",
+                    sub.rank(),
+                    sub.world_size(),
+                    members.len()
+                ));
+            }
+            let mut v = vec![r as u64; 5];
+            if ck
+                .ok("allreduce on split", sub.allreduce(&mut v, ReduceOp::Sum))
+                .is_some()
+            {
+                let s: u64 = members.iter().map(|&p| p as u64).sum();
+                ck.vec("allreduce on split", &v, |_| s, 5);
+            }
+            let mut b = vec![r as i32; 3];
+            if ck
+                .ok("broadcast on split", sub.broadcast(&mut b, 0))
+                .is_some()
+            {
+                ck.vec("broadcast on split", &b, |_| members[0] as i32, 3);
+            }
+        }
+    }
+    // The parent still works, and a group made with new_group too.
+    let mut v = vec![1u8; 3];
+    if ck
+        .ok(
+            "allreduce on parent after split",
+            comm.allreduce(&mut v, ReduceOp::Sum),
+        )
+        .is_some()
+    {
+        ck.vec("allreduce on parent after split", &v, |_| n as u8, 3);
+    }
+    let evens: Vec<usize> = (0..n).step_by(2).collect();
+    let g = ck.ok("new_group", comm.new_group(&evens)).flatten();
+    ck.checks += 1;
+    if g.is_some() != (r % 2 == 0) {
+        ck.fail("new_group membership".into());
+    }
+    if let Some(g) = g {
+        let mut x = vec![1i64; 2];
+        if ck
+            .ok("allreduce on new_group", g.allreduce(&mut x, ReduceOp::Sum))
+            .is_some()
+        {
+            ck.vec("allreduce on new_group", &x, |_| evens.len() as i64, 2);
+        }
+    }
+}
+
+/// A store that outlives jobs: serves `MASTER_ADDR:MASTER_PORT` (with
+/// `CCL_JOB_SECRET` if set), prints `serving`, and runs until killed.
+fn serve_store() -> ! {
+    let var = |k: &str| std::env::var(k).unwrap_or_default();
+    let addr = format!("{}:{}", var("MASTER_ADDR"), var("MASTER_PORT"));
+    let secret = std::env::var("CCL_JOB_SECRET")
+        .ok()
+        .map(|s| ccl::JobSecret::new(&s).expect("CCL_JOB_SECRET"));
+    let addr = addr.parse().expect("MASTER_ADDR:MASTER_PORT");
+    let _server =
+        ccl::TcpStoreServer::bind_with_secret(addr, secret.as_ref()).unwrap_or_else(|e| {
+            eprintln!("serve-store: {e}");
+            exit(3)
+        });
+    println!("serving");
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Waits up to a minute for `path` to exist.
+fn await_file(path: &std::path::Path) -> bool {
+    let until = Instant::now() + std::time::Duration::from_secs(60);
+    while !path.exists() {
+        if Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    true
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let scenario = args.get(1).map(String::as_str).unwrap_or("collectives");
+    if scenario == "serve-store" {
+        serve_store();
+    }
+    let started = Instant::now();
+    let comm = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("init failed: {e}");
+            exit(3);
+        }
+    };
+    let mut ck = Checker {
+        rank: comm.rank(),
+        failures: 0,
+        checks: 0,
+    };
+    match scenario {
+        "collectives" => collectives(&comm, &mut ck),
+        "p2p" => p2p(&comm, &mut ck),
+        "split" => split(&comm, &mut ck),
+        "mismatch" => {
+            // Rank 0 makes a call that differs from the others' in `what`.
+            let what = args.get(2).map(String::as_str).unwrap_or("count");
+            let len = if args.get(3).map(String::as_str) == Some("large") {
+                1 << 20
+            } else {
+                10
+            };
+            let odd = comm.rank() == 0;
+            let floats = |extra: usize| vec![1.0f32; len + extra];
+            let r = match what {
+                "count" => comm.allreduce(&mut floats(usize::from(odd)), ReduceOp::Sum),
+                "dtype" if odd => comm.allreduce(&mut vec![1i32; len], ReduceOp::Sum),
+                "dtype" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                "op" if odd => comm.allreduce(&mut floats(0), ReduceOp::Max),
+                "op" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                "root" => comm.broadcast(&mut floats(0), usize::from(odd)),
+                "kind" if odd => comm.broadcast(&mut floats(0), 0),
+                "kind" => comm.allreduce(&mut floats(0), ReduceOp::Sum),
+                other => {
+                    eprintln!("unknown mismatch {other}");
+                    exit(2);
+                }
+            };
+            match r {
+                Ok(()) => ck.fail(format!("allreduce with mismatched {what} succeeded")),
+                Err(e) => println!("rank {} error: {e}", comm.rank()),
+            }
+            match comm.barrier() {
+                Err(ccl::Error::Broken { .. }) => {}
+                other => ck.fail(format!(
+                    "after an error the communicator must be broken, got {other:?}"
+                )),
+            }
+        }
+        "killed" => {
+            // One rank is SIGKILLed at a point the seed picks while every rank
+            // repeats a collective; the others must fail naming it.
+            let seed: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let pick = |salt: u64, m: u64| {
+                (seed.wrapping_add(salt).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 33) % m
+            };
+            let n = comm.world_size();
+            let victim = pick(1, n as u64) as usize;
+            let len = [16usize, 64 << 10, 4 << 20][pick(2, 3) as usize];
+            let which = pick(3, 3);
+            let delay = std::time::Duration::from_millis(5 + pick(4, 150));
+            ck.ok("warm-up", comm.barrier());
+            if comm.rank() == victim {
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::this(),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                });
+            }
+            println!("victim {victim}, {len} floats, collective {which}, after {delay:?}");
+            let mut buf = vec![1.0f32; len];
+            let mut out = vec![0.0f32; len * n];
+            loop {
+                let r = match which {
+                    0 => comm.allreduce(&mut buf, ReduceOp::Sum),
+                    1 => comm.broadcast(&mut buf, (victim + 1) % n),
+                    _ => comm.allgather_into(&buf, &mut out),
+                };
+                if let Err(e) = r {
+                    println!(
+                        "rank {} error after {:?}: {e}",
+                        comm.rank(),
+                        started.elapsed()
+                    );
+                    break;
+                }
+                buf.fill(1.0);
+                if started.elapsed() > std::time::Duration::from_secs(60) {
+                    ck.fail("no error a minute after the kill".into());
+                    break;
+                }
+            }
+        }
+        "large" => {
+            // Messages far above the shared-memory by-reference threshold.
+            let (n, r) = (comm.world_size(), comm.rank());
+            let len = 1usize << 20;
+            let mut v = vec![(r + 1) as f32; len];
+            if ck
+                .ok("large allreduce", comm.allreduce(&mut v, ReduceOp::Sum))
+                .is_some()
+            {
+                let want = (n * (n + 1) / 2) as f32;
+                ck.vec("large allreduce", &v, |_| want, len);
+            }
+            let mut b: Vec<f32> = (0..len)
+                .map(|i| if r == 0 { (i % 1000) as f32 } else { -1.0 })
+                .collect();
+            if ck
+                .ok("large broadcast", comm.broadcast(&mut b, 0))
+                .is_some()
+            {
+                ck.vec("large broadcast", &b, |i| (i % 1000) as f32, len);
+            }
+            let mine: Vec<f32> = (0..len).map(|i| (r * len + i) as f32).collect();
+            let mut all = vec![0.0f32; len * n];
+            if ck
+                .ok("large allgather", comm.allgather_into(&mine, &mut all))
+                .is_some()
+            {
+                ck.vec("large allgather", &all, |i| i as f32, len * n);
+            }
+        }
+        "repeat" => {
+            // Allreduces until one fails (a link is cut from outside), then
+            // prints the error.
+            let mut v = vec![1.0f32; 256 << 10];
+            loop {
+                if let Err(e) = comm.allreduce(&mut v, ReduceOp::Sum) {
+                    println!(
+                        "rank {} error after {:?}: {e}",
+                        comm.rank(),
+                        started.elapsed()
+                    );
+                    break;
+                }
+                v.fill(1.0);
+                if started.elapsed() > std::time::Duration::from_secs(120) {
+                    ck.fail("no error within two minutes".into());
+                    break;
+                }
+            }
+        }
+        "slow" => {
+            // The last rank arrives late (within the deadline) at every call.
+            let n = comm.world_size();
+            for len in [8usize, 1 << 20] {
+                if comm.rank() == n - 1 {
+                    std::thread::sleep(std::time::Duration::from_millis(1500));
+                }
+                let mut v = vec![(comm.rank() + 1) as f32; len];
+                if ck
+                    .ok("slow allreduce", comm.allreduce(&mut v, ReduceOp::Sum))
+                    .is_some()
+                {
+                    let want = (n * (n + 1) / 2) as f32;
+                    ck.vec("slow allreduce", &v, |_| want, len);
+                }
+            }
+        }
+        "store-gone" => {
+            // The store (served elsewhere) is killed once every rank is set
+            // up: rank 0 says so in DIR/ready, the test kills the store and
+            // says so in DIR/killed. Collectives must go on; then the last
+            // rank dies, and the others must still name it.
+            let dir = std::path::PathBuf::from(args.get(2).expect("store-gone DIR"));
+            let (r, n) = (comm.rank(), comm.world_size());
+            ck.ok("barrier after set-up", comm.barrier());
+            if r == 0 {
+                std::fs::write(dir.join("ready"), b"").expect("DIR/ready");
+            }
+            if !await_file(&dir.join("killed")) {
+                ck.fail("the store was not killed within a minute".into());
+            }
+            for len in [4usize, 1 << 20] {
+                let mut v = vec![(r + 1) as f32; len];
+                if ck
+                    .ok(
+                        "allreduce without a store",
+                        comm.allreduce(&mut v, ReduceOp::Sum),
+                    )
+                    .is_some()
+                {
+                    let want = (n * (n + 1) / 2) as f32;
+                    ck.vec("allreduce without a store", &v, |_| want, len);
+                }
+            }
+            ck.ok("barrier without a store", comm.barrier());
+            if r == n - 1 {
+                exit(7);
+            }
+            let mut v = vec![1.0f32; 1 << 20];
+            loop {
+                if let Err(e) = comm.allreduce(&mut v, ReduceOp::Sum) {
+                    println!("rank {r} error after {:?}: {e}", started.elapsed());
+                    break;
+                }
+                if started.elapsed() > std::time::Duration::from_secs(60) {
+                    ck.fail("no error a minute after the last rank died".into());
+                    break;
+                }
+            }
+        }
+        "die" => {
+            let victim: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(0);
+            // Warm up so that everything is connected, then the victim dies mid-collective.
+            ck.ok("warm-up", comm.barrier());
+            // "small": a message the shared-memory board carries, which the
+            // victim never joins (its part would be posted at once); else a
+            // large one (128 MiB), which the victim leaves an eighth of the
+            // way through: an eighth of the faster of two complete ones, so
+            // that a fast machine cannot finish the call before it dies.
+            let small = args.get(3).map(String::as_str) == Some("small");
+            if small && comm.rank() == victim {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                exit(7);
+            }
+            let len = if small { 2 } else { 32 << 20 };
+            let buf = vec![1.0f32; len];
+            let mut one_call = std::time::Duration::MAX;
+            let timed_calls = if small { 0 } else { 2 };
+            for _ in 0..timed_calls {
+                let mut first = buf.clone();
+                let timed = std::time::Instant::now();
+                ck.ok("timed allreduce", comm.allreduce(&mut first, ReduceOp::Sum));
+                one_call = one_call.min(timed.elapsed());
+            }
+            let w = comm.iallreduce(buf, ReduceOp::Sum);
+            if comm.rank() == victim {
+                std::thread::sleep(one_call / 8);
+                exit(7);
+            }
+            match w.wait() {
+                Ok(_) => ck.fail("allreduce with a dead rank succeeded".into()),
+                Err(e) => println!(
+                    "rank {} error after {:?}: {e}",
+                    comm.rank(),
+                    started.elapsed()
+                ),
+            }
+        }
+        other => {
+            eprintln!("unknown scenario {other}");
+            exit(2);
+        }
+    }
+    println!(
+        "rank {}: {} checks, {} failures, {:?}",
+        ck.rank,
+        ck.checks,
+        ck.failures,
+        started.elapsed()
+    );
+    exit(if ck.failures == 0 { 0 } else { 1 });
+}
