@@ -211,13 +211,15 @@ impl Communicator {
             (input.as_ptr() as usize, input.len()),
             (output.as_mut_ptr() as usize, output.len()),
         );
-        let block = rank * coll.count * size;
-        let nested = match coll.kind {
-            CollectiveKind::AllGather | CollectiveKind::Gather => i.0 == o.0 + block,
-            CollectiveKind::ReduceScatter | CollectiveKind::Scatter => o.0 == i.0 + block,
-            _ => false,
+        let nested = || {
+            let block = rank * coll.count * size;
+            match coll.kind {
+                CollectiveKind::AllGather | CollectiveKind::Gather => i.0 == o.0 + block,
+                CollectiveKind::ReduceScatter | CollectiveKind::Scatter => o.0 == i.0 + block,
+                _ => false,
+            }
         };
-        if overlap(i, o) && !in_place && !nested {
+        if !in_place && overlap(i, o) && !nested() {
             return Err(Error::InvalidArgument(format!(
                 "{coll} on rank {rank}: input and output overlap, other than in place"
             )));

@@ -50,6 +50,7 @@ impl Collective {
     }
 
     /// Whether this collective reduces (its op matters).
+    #[inline]
     pub fn reduces(&self) -> bool {
         matches!(
             self.kind,
@@ -58,6 +59,7 @@ impl Collective {
     }
 
     /// Whether this collective has a root.
+    #[inline]
     pub fn rooted(&self) -> bool {
         matches!(
             self.kind,
@@ -69,12 +71,14 @@ impl Collective {
     }
 
     /// Whether the op has a last step after the reduction (average).
+    #[inline]
     pub fn finalizes(&self) -> bool {
         self.reduces() && self.op == ReduceOp::Avg
     }
 
     /// What goes on the wire: the op only where it reduces, the root only
     /// where there is one (a send's peer differs between its two sides).
+    #[inline]
     pub fn fingerprint(&self) -> Fingerprint {
         let fp = Fingerprint::new(self.kind, self.dtype, self.count);
         let fp = if self.reduces() {
@@ -92,6 +96,7 @@ impl Collective {
     /// Elements of (input, output) that rank `rank` of `world_size` passes.
     /// A rank whose role uses no input or output (a broadcast receiver's
     /// input, a reduce non-root's output) passes 0 there.
+    #[inline]
     pub fn buffer_elems(&self, rank: usize, world_size: usize) -> (usize, usize) {
         let (n, c) = (world_size, self.count);
         let at_root = |x: usize| if rank == self.root { x } else { 0 };
@@ -111,6 +116,7 @@ impl Collective {
 
     /// Bytes of the whole buffer, as the tuning table counts them: the count
     /// times the element size, times the world size where the count is per rank.
+    #[inline]
     pub fn buffer_bytes(&self, world_size: usize) -> u64 {
         let per_rank = matches!(
             self.kind,
@@ -126,6 +132,7 @@ impl Collective {
 
     /// Checks the arguments on rank `rank` of `world_size`: the root (or
     /// peer) exists, the op applies to the element type. Errors name the call.
+    #[inline]
     pub fn validate(&self, rank: usize, world_size: usize) -> Result<()> {
         let bad = |m: String| Error::InvalidArgument(format!("{self} on rank {rank}: {m}"));
         if self.kind == CollectiveKind::SendRecv {
@@ -173,6 +180,7 @@ pub struct Call {
 
 impl Call {
     /// The header of message `step` of this call, `len` bytes long.
+    #[inline]
     pub fn header(&self, step: u32, len: usize) -> FrameHeader {
         FrameHeader::data(self.comm, self.seq, step, len, self.coll.fingerprint())
     }

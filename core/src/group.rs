@@ -36,19 +36,27 @@ pub trait GroupMemory: Send + Sync {
     /// round's number.
     fn begin(&self, deadline: &Deadline) -> Result<u64>;
 
-    /// Posts this rank's payload of round `round`: `header.len` bytes of
-    /// which this rank writes `parts`, each at its offset. Readers read only
-    /// the parts; the rest may be published by [`GroupMemory::post_reduced`].
-    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()>;
+    /// Posts this rank's payload of round `round`: `len` bytes of which this
+    /// rank writes `parts`, each at its offset, with `header` (its `len`
+    /// field taken as `len`). Readers read only the parts; the rest may be
+    /// published by [`GroupMemory::post_reduced`].
+    fn post(
+        &self,
+        round: u64,
+        header: &FrameHeader,
+        len: usize,
+        parts: &[(usize, &[u8])],
+    ) -> Result<()>;
 
-    /// Waits for rank `rank` to post round `round` and returns its payload,
-    /// `expect.len` bytes, after checking that its header is `expect`
-    /// (another call is [`crate::Error::Mismatch`]).
+    /// Waits for rank `rank` to post round `round` and returns its payload
+    /// of `len` bytes, after checking that its header is `expect` with that
+    /// length (another call is [`crate::Error::Mismatch`]).
     fn read(
         &self,
         round: u64,
         rank: usize,
         expect: &FrameHeader,
+        len: usize,
         deadline: &Deadline,
     ) -> Result<&[u8]>;
 

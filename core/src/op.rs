@@ -76,6 +76,7 @@ impl ReduceOp {
     }
 
     /// Checks that this op may be applied to `dtype`.
+    #[inline]
     pub fn validate(self, dtype: DataType) -> Result<()> {
         if self.is_bitwise() && dtype.is_float() {
             return Err(Error::InvalidArgument(format!(

@@ -358,8 +358,13 @@ impl GroupMemory for Board {
         Ok(b)
     }
 
-    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()> {
-        let len = header.len as usize;
+    fn post(
+        &self,
+        round: u64,
+        header: &FrameHeader,
+        len: usize,
+        parts: &[(usize, &[u8])],
+    ) -> Result<()> {
         let end = parts.iter().map(|(at, p)| at + p.len()).max().unwrap_or(0);
         if len > self.slot || end > len {
             return Err(Error::Internal(format!(
@@ -368,7 +373,11 @@ impl GroupMemory for Board {
             )));
         }
         let at = self.slot_at(self.rank, (round % 2) as usize);
-        let header = header.encode();
+        let header = FrameHeader {
+            len: len as u64,
+            ..*header
+        }
+        .encode();
         let sum = digest(&header);
         self.last_post.remember(round, len, sum);
         let payload = payload_at(len);
@@ -393,7 +402,8 @@ impl GroupMemory for Board {
         &self,
         round: u64,
         r: usize,
-        expect: &FrameHeader,
+        header: &FrameHeader,
+        len: usize,
         deadline: &Deadline,
     ) -> Result<&[u8]> {
         let s = (round % 2) as usize;
@@ -401,11 +411,14 @@ impl GroupMemory for Board {
             self.wait_for(r, deadline, || self.published(r, s) >= round)?;
         }
         let at = self.slot_at(r, s);
-        let len = expect.len as usize;
+        let expect = || FrameHeader {
+            len: len as u64,
+            ..*header
+        };
         let want = self
             .last_post
             .digest_of(round, len)
-            .unwrap_or_else(|| digest(&expect.encode()));
+            .unwrap_or_else(|| digest(&expect().encode()));
         if self.seg.load(at + DIGEST) != want {
             // SAFETY: the slot was published for this call and its owner
             // does not write it again before this rank publishes its next call.
@@ -418,7 +431,7 @@ impl GroupMemory for Board {
                 call: String::new(),
                 msg,
             })?;
-            expect.check_received(&got, self.rank, r)?;
+            expect().check_received(&got, self.rank, r)?;
             return Err(Error::Protocol {
                 rank: self.rank,
                 peer: r,

@@ -25,14 +25,6 @@ fn header(seq: u64, count: usize) -> FrameHeader {
     FrameHeader::data(7, seq, 0, 0, fp)
 }
 
-/// `header` with a payload of `len` bytes.
-fn sized(header: FrameHeader, len: usize) -> FrameHeader {
-    FrameHeader {
-        len: len as u64,
-        ..header
-    }
-}
-
 /// A deadline for one board call (leaked: the tests make a few hundred).
 fn within(timeout: Duration) -> &'static Deadline {
     Box::leak(Box::new(Deadline::after(timeout)))
@@ -83,12 +75,12 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
                 let mine = vec![(rank as u8) ^ round as u8; len];
                 let (h, d) = (header(round, len), within(Duration::from_secs(10)));
                 let b = board.begin(d).unwrap();
-                board.post(b, &sized(h, mine.len()), &[(0, &mine)]).unwrap();
+                board.post(b, &h, mine.len(), &[(0, &mine)]).unwrap();
                 // Phase 1: every rank's block `rank` of every payload.
                 let mut sum = vec![0u8; block];
                 for p in 0..n {
-                    let got = &board.read(b, p, &sized(h, len), d).unwrap()
-                        [rank * block..(rank + 1) * block];
+                    let got =
+                        &board.read(b, p, &h, len, d).unwrap()[rank * block..(rank + 1) * block];
                     assert!(got.iter().all(|&b| b == (p as u8) ^ round as u8));
                     for (s, g) in sum.iter_mut().zip(got) {
                         *s = s.wrapping_add(*g);
@@ -120,9 +112,9 @@ fn every_rank_reads_every_post_over_many_rounds() {
                     .collect();
                 let (h, d) = (header(round, len), within(Duration::from_secs(10)));
                 let b = board.begin(d).unwrap();
-                board.post(b, &sized(h, mine.len()), &[(0, &mine)]).unwrap();
+                board.post(b, &h, mine.len(), &[(0, &mine)]).unwrap();
                 for p in 0..n {
-                    let got = board.read(b, p, &sized(h, len), d).unwrap();
+                    let got = board.read(b, p, &h, len, d).unwrap();
                     let want: Vec<u8> =
                         (0..len).map(|i| (p * 31 + i) as u8 ^ round as u8).collect();
                     assert_eq!(got, &want[..], "rank {rank} round {round} from {p}");
@@ -138,9 +130,9 @@ fn different_calls_are_a_mismatch_on_both_sides() {
         let (h, d) = (header(1, 4 + rank), within(Duration::from_secs(10)));
         let b = board.begin(d).unwrap();
         board
-            .post(b, &sized(h, 4 + rank), &[(0, &vec![0u8; 4 + rank])])
+            .post(b, &h, 4 + rank, &[(0, &vec![0u8; 4 + rank])])
             .unwrap();
-        board.read(b, 1 - rank, &sized(h, 4 + rank), d).unwrap_err()
+        board.read(b, 1 - rank, &h, 4 + rank, d).unwrap_err()
     });
     for (rank, e) in errors.iter().enumerate() {
         assert!(
@@ -163,8 +155,8 @@ fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duratio
         let started = Instant::now();
         let (h, d) = (header(1, 0), within(Duration::from_secs(10)));
         let b = board.begin(d).unwrap();
-        board.post(b, &h, &[]).unwrap();
-        let e = board.read(b, 0, &h, d).unwrap_err();
+        board.post(b, &h, 0, &[]).unwrap();
+        let e = board.read(b, 0, &h, 0, d).unwrap_err();
         Some((e, started.elapsed()))
     });
     out.into_iter().flatten().next().expect("rank 1 result")
@@ -203,8 +195,8 @@ fn a_silent_peer_is_a_timeout() {
         let started = Instant::now();
         let (h, d) = (header(1, 0), within(Duration::from_millis(300)));
         let b = board.begin(d).unwrap();
-        board.post(b, &h, &[]).unwrap();
-        Some((board.read(b, 0, &h, d).unwrap_err(), started.elapsed()))
+        board.post(b, &h, 0, &[]).unwrap();
+        Some((board.read(b, 0, &h, 0, d).unwrap_err(), started.elapsed()))
     });
     let (e, took) = out.into_iter().flatten().next().unwrap();
     assert!(matches!(e, Error::Timeout { .. }), "{e}");

@@ -181,6 +181,9 @@ impl BoardCall<'_> {
                     };
                 }
                 round.post_at(len, &parts)?;
+            } else if self.posts(me) && blocks == 1 {
+                // The common case, without an allocation per round.
+                round.post(inp(off, len))?;
             } else if self.posts(me) {
                 let parts: Vec<(usize, &[u8])> = (0..blocks)
                     .map(|b| (b * len, inp(b * part + off, len)))

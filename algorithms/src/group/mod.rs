@@ -85,13 +85,6 @@ impl<'a> Round<'a> {
         })
     }
 
-    fn with_len(&self, len: usize) -> FrameHeader {
-        FrameHeader {
-            len: len as u64,
-            ..self.header
-        }
-    }
-
     /// Posts `data` as this rank's payload.
     fn post(&self, data: &[u8]) -> Result<()> {
         self.post_at(data.len(), &[(0, data)])
@@ -99,13 +92,13 @@ impl<'a> Round<'a> {
 
     /// Posts a payload of `len` bytes of which this rank writes `parts`.
     fn post_at(&self, len: usize, parts: &[(usize, &[u8])]) -> Result<()> {
-        self.mem.post(self.number, &self.with_len(len), parts)
+        self.mem.post(self.number, &self.header, len, parts)
     }
 
     /// Rank `r`'s payload, which must be `len` bytes of this call.
     fn read(&self, r: usize, len: usize) -> Result<&'a [u8]> {
         self.mem
-            .read(self.number, r, &self.with_len(len), self.deadline)
+            .read(self.number, r, &self.header, len, self.deadline)
     }
 
     /// Publishes this rank's second phase.

@@ -175,8 +175,13 @@ impl GroupMemory for MemGroup {
         Ok(b)
     }
 
-    fn post(&self, round: u64, header: &FrameHeader, parts: &[(usize, &[u8])]) -> Result<()> {
-        let len = header.len as usize;
+    fn post(
+        &self,
+        round: u64,
+        header: &FrameHeader,
+        len: usize,
+        parts: &[(usize, &[u8])],
+    ) -> Result<()> {
         if len > self.shared.slot_bytes || parts.iter().any(|(at, p)| at + p.len() > len) {
             return Err(Error::Internal(format!(
                 "a {len}-byte post does not fit a {}-byte slot",
@@ -185,7 +190,10 @@ impl GroupMemory for MemGroup {
         }
         self.write(round, parts)?;
         let slot = self.slot(self.rank, round);
-        *slot.header.lock().unwrap() = Some(*header);
+        *slot.header.lock().unwrap() = Some(FrameHeader {
+            len: len as u64,
+            ..*header
+        });
         slot.posted.store(round, Ordering::Release);
         self.notify();
         Ok(())
@@ -195,7 +203,8 @@ impl GroupMemory for MemGroup {
         &self,
         round: u64,
         rank: usize,
-        expect: &FrameHeader,
+        header: &FrameHeader,
+        len: usize,
         deadline: &Deadline,
     ) -> Result<&[u8]> {
         let slot = self.slot(rank, round);
@@ -203,8 +212,12 @@ impl GroupMemory for MemGroup {
             slot.posted.load(Ordering::Acquire) >= round
         })?;
         let got = slot.header.lock().unwrap().expect("posted with a header");
+        let expect = FrameHeader {
+            len: len as u64,
+            ..*header
+        };
         expect.check_received(&got, self.rank, rank)?;
-        self.payload(rank, round, 0, expect.len as usize)
+        self.payload(rank, round, 0, len)
     }
 
     fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
