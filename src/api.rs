@@ -1,8 +1,8 @@
 //! The typed API: every collective in place, out of place and
-//! asynchronously on owned `Vec`s, for any [`Element`] type. Each method is
-//! one line over three generic forms ([`Communicator::in_place`],
-//! [`Communicator::out_of_place`], and their asynchronous twins), which turn
-//! slices into the untyped call of `call.rs`.
+//! asynchronously on owned `Vec`s, for any [`Element`] type. The methods are
+//! generated (`in_place!`, `out_of_place!`, `launch_in_place!`) or written
+//! as one line over four generic forms, which turn slices into the untyped
+//! call of `call.rs`.
 
 use std::ops::Range;
 
@@ -11,6 +11,36 @@ use ccl_core::{
 };
 
 use crate::Communicator;
+
+/// A blocking collective in place: `fn name(&self, buf, args...)`.
+macro_rules! in_place {
+    ($(#[$doc:meta])* $name:ident, $kind:ident $(, $arg:ident: $ty:ty => $with:ident)*) => {
+        $(#[$doc])*
+        pub fn $name<T: Element>(&self, buf: &mut [T] $(, $arg: $ty)*) -> Result<()> {
+            self.in_place(of::<T>(CollectiveKind::$kind)$(.$with($arg))*, buf)
+        }
+    };
+}
+
+/// A blocking collective out of place: `fn name(&self, input, output, args...)`.
+macro_rules! out_of_place {
+    ($(#[$doc:meta])* $name:ident, $kind:ident $(, $arg:ident: $ty:ty => $with:ident)*) => {
+        $(#[$doc])*
+        pub fn $name<T: Element>(&self, input: &[T], output: &mut [T] $(, $arg: $ty)*) -> Result<()> {
+            self.out_of_place(of::<T>(CollectiveKind::$kind)$(.$with($arg))*, input, output)
+        }
+    };
+}
+
+/// An asynchronous collective in place on an owned buffer, which the `Work` hands back.
+macro_rules! launch_in_place {
+    ($(#[$doc:meta])* $name:ident, $kind:ident $(, $arg:ident: $ty:ty => $with:ident)*) => {
+        $(#[$doc])*
+        pub fn $name<T: Element>(&self, buf: Vec<T> $(, $arg: $ty)*) -> Work<Vec<T>> {
+            self.launch_in_place(of::<T>(CollectiveKind::$kind)$(.$with($arg))*, buf)
+        }
+    };
+}
 
 /// The template of a call of `kind` on `T` (its count is filled in from the buffers).
 fn of<T: Element>(kind: CollectiveKind) -> Collective {
@@ -179,98 +209,52 @@ impl Communicator {
         }
     }
 
-    // ---- allreduce --------------------------------------------------------
-
-    /// Reduces `buf` across all ranks, in place: every rank gets the result.
-    pub fn allreduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::AllReduce).with_op(op), buf)
+    in_place! {
+        /// Reduces `buf` across all ranks, in place: every rank gets the result.
+        allreduce, AllReduce, op: ReduceOp => with_op
+    }
+    out_of_place! {
+        /// Reduces `input` across all ranks into `output` (same length).
+        allreduce_into, AllReduce, op: ReduceOp => with_op
+    }
+    launch_in_place! {
+        /// Asynchronous [`Communicator::allreduce`] on an owned buffer.
+        iallreduce, AllReduce, op: ReduceOp => with_op
     }
 
-    /// Reduces `input` across all ranks into `output` (same length).
-    pub fn allreduce_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.out_of_place(
-            of::<T>(CollectiveKind::AllReduce).with_op(op),
-            input,
-            output,
-        )
+    in_place! {
+        /// Copies `root`'s `buf` into every rank's `buf`.
+        broadcast, Broadcast, root: usize => with_root
+    }
+    out_of_place! {
+        /// Copies `root`'s `input` into every rank's `output`; `input` is read on the root only.
+        broadcast_into, Broadcast, root: usize => with_root
+    }
+    launch_in_place! {
+        /// Asynchronous [`Communicator::broadcast`] on an owned buffer.
+        ibroadcast, Broadcast, root: usize => with_root
     }
 
-    /// Asynchronous [`Communicator::allreduce`] on an owned buffer.
-    pub fn iallreduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        self.launch_in_place(of::<T>(CollectiveKind::AllReduce).with_op(op), buf)
+    in_place! {
+        /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' `buf` is left as it was.
+        reduce, Reduce, op: ReduceOp => with_op, root: usize => with_root
+    }
+    out_of_place! {
+        /// Reduces every rank's `input` into `root`'s `output` (ignored on other ranks).
+        reduce_into, Reduce, op: ReduceOp => with_op, root: usize => with_root
+    }
+    launch_in_place! {
+        /// Asynchronous reduce: the root gets the result; other ranks get their input back.
+        ireduce, Reduce, op: ReduceOp => with_op, root: usize => with_root
     }
 
-    // ---- broadcast --------------------------------------------------------
-
-    /// Copies `root`'s `buf` into every rank's `buf`.
-    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::Broadcast).with_root(root), buf)
+    in_place! {
+        /// In-place allgather: `buf` holds world_size blocks, this rank's contribution in block `rank`.
+        allgather, AllGather
     }
-
-    /// Copies `root`'s `input` into every rank's `output`; `input` is read on the root only.
-    pub fn broadcast_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        root: usize,
-    ) -> Result<()> {
-        self.out_of_place(
-            of::<T>(CollectiveKind::Broadcast).with_root(root),
-            input,
-            output,
-        )
-    }
-
-    /// Asynchronous [`Communicator::broadcast`] on an owned buffer.
-    pub fn ibroadcast<T: Element>(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        self.launch_in_place(of::<T>(CollectiveKind::Broadcast).with_root(root), buf)
-    }
-
-    // ---- reduce -----------------------------------------------------------
-
-    /// Reduces every rank's `buf` into `root`'s `buf`; other ranks' `buf` is left as it was.
-    pub fn reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
-        self.in_place(
-            of::<T>(CollectiveKind::Reduce).with_op(op).with_root(root),
-            buf,
-        )
-    }
-
-    /// Reduces every rank's `input` into `root`'s `output` (ignored on other ranks).
-    pub fn reduce_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        let template = of::<T>(CollectiveKind::Reduce).with_op(op).with_root(root);
-        self.out_of_place(template, input, output)
-    }
-
-    /// Asynchronous reduce: the root gets the result; other ranks get their input back.
-    pub fn ireduce<T: Element>(&self, buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
-        self.launch_in_place(
-            of::<T>(CollectiveKind::Reduce).with_op(op).with_root(root),
-            buf,
-        )
-    }
-
-    // ---- allgather --------------------------------------------------------
-
-    /// In-place allgather: `buf` holds world_size blocks, this rank's contribution in block `rank`.
-    pub fn allgather<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::AllGather), buf)
-    }
-
-    /// Gathers every rank's `input` into `output` (world_size × input length), in rank order.
-    pub fn allgather_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        self.out_of_place(of::<T>(CollectiveKind::AllGather), input, output)
+    out_of_place! {
+        /// Gathers every rank's `input` into `output` (world_size × input length), in rank order.
+        allgather_into, AllGather
     }
 
     /// Asynchronous allgather: returns world_size × input length elements.
@@ -279,47 +263,29 @@ impl Communicator {
         self.launch_out_of_place(of::<T>(CollectiveKind::AllGather), input, len)
     }
 
-    // ---- reduce-scatter ---------------------------------------------------
-
-    /// In-place reduce-scatter: `buf` holds world_size blocks; block `rank` receives this rank's share of the result.
-    pub fn reduce_scatter<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::ReduceScatter).with_op(op), buf)
+    in_place! {
+        /// In-place reduce-scatter: `buf` holds world_size blocks; block `rank` receives this rank's share of the result.
+        reduce_scatter, ReduceScatter, op: ReduceOp => with_op
     }
-
-    /// Reduces `input` (world_size blocks of `output`'s length) across ranks; block `rank` of the result lands in `output`.
-    pub fn reduce_scatter_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.out_of_place(
-            of::<T>(CollectiveKind::ReduceScatter).with_op(op),
-            input,
-            output,
-        )
+    out_of_place! {
+        /// Reduces `input` (world_size blocks of `output`'s length) across ranks; block `rank` of the result lands in `output`.
+        reduce_scatter_into, ReduceScatter, op: ReduceOp => with_op
     }
 
     /// Asynchronous reduce-scatter: returns this rank's block of the reduced `input`.
     pub fn ireduce_scatter<T: Element>(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let block = input.len() / self.world_size();
-        self.launch_out_of_place(
-            of::<T>(CollectiveKind::ReduceScatter).with_op(op),
-            input,
-            block,
-        )
+        let template = of::<T>(CollectiveKind::ReduceScatter).with_op(op);
+        self.launch_out_of_place(template, input, block)
     }
 
-    // ---- all-to-all -------------------------------------------------------
-
-    /// In-place all-to-all on world_size blocks.
-    pub fn alltoall<T: Element>(&self, buf: &mut [T]) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::AllToAll), buf)
+    in_place! {
+        /// In-place all-to-all on world_size blocks.
+        alltoall, AllToAll
     }
-
-    /// Sends block p of `input` to rank p; block p of `output` comes from rank p.
-    pub fn alltoall_into<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
-        self.out_of_place(of::<T>(CollectiveKind::AllToAll), input, output)
+    out_of_place! {
+        /// Sends block p of `input` to rank p; block p of `output` comes from rank p.
+        alltoall_into, AllToAll
     }
 
     /// Asynchronous all-to-all: returns the received blocks.
@@ -328,56 +294,35 @@ impl Communicator {
         self.launch_out_of_place(of::<T>(CollectiveKind::AllToAll), input, len)
     }
 
-    // ---- gather / scatter -------------------------------------------------
-
-    /// In-place gather: on the root `buf` holds world_size blocks with the root's own in block `root`;
-    /// elsewhere `buf` is this rank's contribution.
-    pub fn gather<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::Gather).with_root(root), buf)
+    in_place! {
+        /// In-place gather: on the root `buf` holds world_size blocks with the root's own in block `root`;
+        /// elsewhere `buf` is this rank's contribution.
+        gather, Gather, root: usize => with_root
     }
-
-    /// Gathers every rank's `input` into `root`'s `output` (world_size × input length; ignored elsewhere).
-    pub fn gather_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        root: usize,
-    ) -> Result<()> {
-        self.out_of_place(
-            of::<T>(CollectiveKind::Gather).with_root(root),
-            input,
-            output,
-        )
+    out_of_place! {
+        /// Gathers every rank's `input` into `root`'s `output` (world_size × input length; ignored elsewhere).
+        gather_into, Gather, root: usize => with_root
     }
 
     /// Asynchronous gather: the root gets world_size × input length elements, others an empty vector.
     pub fn igather<T: Element>(&self, input: Vec<T>, root: usize) -> Work<Vec<T>> {
-        let len = if self.rank() == root {
-            input.len() * self.world_size()
+        let blocks = if self.rank() == root {
+            self.world_size()
         } else {
             0
         };
+        let len = input.len() * blocks;
         self.launch_out_of_place(of::<T>(CollectiveKind::Gather).with_root(root), input, len)
     }
 
-    /// In-place scatter: on the root `buf` holds world_size blocks and keeps block `root`;
-    /// elsewhere `buf` receives this rank's block.
-    pub fn scatter<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        self.in_place(of::<T>(CollectiveKind::Scatter).with_root(root), buf)
+    in_place! {
+        /// In-place scatter: on the root `buf` holds world_size blocks and keeps block `root`;
+        /// elsewhere `buf` receives this rank's block.
+        scatter, Scatter, root: usize => with_root
     }
-
-    /// Sends block p of `root`'s `input` (world_size × output length; ignored elsewhere) to rank p's `output`.
-    pub fn scatter_into<T: Element>(
-        &self,
-        input: &[T],
-        output: &mut [T],
-        root: usize,
-    ) -> Result<()> {
-        self.out_of_place(
-            of::<T>(CollectiveKind::Scatter).with_root(root),
-            input,
-            output,
-        )
+    out_of_place! {
+        /// Sends block p of `root`'s `input` (world_size × output length; ignored elsewhere) to rank p's `output`.
+        scatter_into, Scatter, root: usize => with_root
     }
 
     /// Asynchronous scatter of `count` elements per rank: `input` (world_size × count) is read on the root only.

@@ -297,7 +297,7 @@ pub struct CompareArgs {
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub coll: Coll,
-    /// Requested sizes in bytes ([0] for barrier).
+    /// Requested sizes in bytes (`[0]` for barrier).
     pub sizes: Vec<u64>,
     pub dtype: DataType,
     pub op: ReduceOp,

@@ -124,7 +124,7 @@ impl Reduced {
         self.slots.is_empty()
     }
 
-    /// Takes tensor `id` back: the `Vec` handed to [`Bucketer::ready`],
+    /// Takes tensor `id` back: the `Vec` handed to [`Bucketer::ready`](super::Bucketer::ready),
     /// holding the reduced values.
     pub fn take<T: Element>(&mut self, id: TensorId) -> Result<Vec<T>> {
         let n = self.slots.len();

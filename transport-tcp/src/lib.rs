@@ -6,7 +6,7 @@
 //! `addr/{rank}`; in the second, the higher rank of every pair it was given
 //! connects to the lower one, `nsocks` sockets per pair ([`connect_mesh`]
 //! does both for every pair at once). Every new socket starts with the job-secret challenge-response
-//! ([`ccl_core::auth`]; the acceptor challenges, both sides prove the secret)
+//! ([`ccl_rendezvous::auth`]; the acceptor challenges, both sides prove the secret)
 //! and then a small handshake (magic, version, communicator id, ranks, socket
 //! index), so that strangers and connections of other communicators are turned
 //! away, and logged with their address, without disturbing the job.

@@ -1,5 +1,5 @@
 //! The host kernels: reduction ops applied to byte buffers in this
-//! process's memory, and [`HostKernels`], which offers them to the executor
+//! process's memory, and [`HostKernels`](crate::HostKernels), which offers them to the executor
 //! and the links for host memory.
 //!
 //! Kernels take byte slices plus a [`DataType`] so that the executor and the
