@@ -37,6 +37,30 @@ pub(crate) struct Prepared {
     pub scaled: Option<Scratch>,
 }
 
+/// The error of a call with bad arguments (kept off the call path).
+#[cold]
+#[inline(never)]
+fn invalid(coll: &Collective, rank: usize, what: std::fmt::Arguments<'_>) -> Error {
+    Error::InvalidArgument(format!("{coll} on rank {rank}: {what}"))
+}
+
+/// The error of a buffer of `bytes` where `want` elements were expected.
+#[cold]
+#[inline(never)]
+fn bad_len(coll: &Collective, rank: usize, what: &str, bytes: usize, want: usize) -> Error {
+    let size = coll.dtype.size();
+    let got = if bytes % size == 0 {
+        format!("{} elements", bytes / size)
+    } else {
+        format!("{bytes} bytes, not whole {} elements", coll.dtype)
+    };
+    invalid(
+        coll,
+        rank,
+        format_args!("{what} has {got}, expected {want}"),
+    )
+}
+
 /// Whether two regions share a byte.
 fn overlap(a: (usize, usize), b: (usize, usize)) -> bool {
     a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
@@ -173,38 +197,34 @@ impl Communicator {
     ) -> Result<Prepared> {
         let (rank, n) = (self.inner.rank, self.inner.world_size);
         if coll.kind == CollectiveKind::SendRecv {
-            return Err(Error::InvalidArgument(format!(
-                "{coll}: point-to-point transfers go through send and recv"
-            )));
+            return Err(invalid(
+                coll,
+                rank,
+                format_args!("point-to-point transfers go through send and recv"),
+            ));
         }
         coll.validate(rank, n)?;
         if input.kind() != output.kind() {
-            return Err(Error::InvalidArgument(format!(
-                "{coll} on rank {rank}: the input lies in {} and the output in {}",
-                input.kind(),
-                output.kind()
-            )));
+            return Err(invalid(
+                coll,
+                rank,
+                format_args!(
+                    "the input lies in {} and the output in {}",
+                    input.kind(),
+                    output.kind()
+                ),
+            ));
         }
         let kernels = kernels_for(output.kind())?;
         let size = coll.dtype.size();
         let (need_in, need_out) = coll.buffer_elems(rank, n);
         let in_place =
             input.as_ptr() == output.as_mut_ptr().cast_const() && input.len() == output.len();
-        let bad_len = |what: &str, bytes: usize, want: usize| {
-            let got = if bytes % size == 0 {
-                format!("{} elements", bytes / size)
-            } else {
-                format!("{bytes} bytes, not whole {} elements", coll.dtype)
-            };
-            Err(Error::InvalidArgument(format!(
-                "{coll} on rank {rank}: {what} has {got}, expected {want}"
-            )))
-        };
         if output.len() != need_out * size {
-            return bad_len("output", output.len(), need_out);
+            return Err(bad_len(coll, rank, "output", output.len(), need_out));
         }
         if input.len() != need_in * size && !(in_place || (need_in == 0 && input.is_empty())) {
-            return bad_len("input", input.len(), need_in);
+            return Err(bad_len(coll, rank, "input", input.len(), need_in));
         }
         // Overlap only in the layouts the schedules are written for.
         let (i, o) = (
@@ -220,9 +240,11 @@ impl Communicator {
             }
         };
         if !in_place && overlap(i, o) && !nested() {
-            return Err(Error::InvalidArgument(format!(
-                "{coll} on rank {rank}: input and output overlap, other than in place"
-            )));
+            return Err(invalid(
+                coll,
+                rank,
+                format_args!("input and output overlap, other than in place"),
+            ));
         }
         let scaled = match coll.op {
             ReduceOp::PreMulSum(_) if coll.reduces() && !input.is_empty() => {

@@ -134,27 +134,39 @@ impl Collective {
     /// peer) exists, the op applies to the element type. Errors name the call.
     #[inline]
     pub fn validate(&self, rank: usize, world_size: usize) -> Result<()> {
+        let root_ok = match self.kind {
+            CollectiveKind::SendRecv => self.root < world_size && self.root != rank,
+            _ => self.root < world_size,
+        };
+        if root_ok && (!self.reduces() || self.op.validate(self.dtype).is_ok()) {
+            return Ok(());
+        }
+        Err(self.invalid(rank, world_size))
+    }
+
+    /// Why [`Collective::validate`] refused the call (kept off the call path).
+    #[cold]
+    #[inline(never)]
+    fn invalid(&self, rank: usize, world_size: usize) -> Error {
         let bad = |m: String| Error::InvalidArgument(format!("{self} on rank {rank}: {m}"));
         if self.kind == CollectiveKind::SendRecv {
             if self.root >= world_size || self.root == rank {
-                return Err(bad(format!(
+                return bad(format!(
                     "peer {} must be another rank below {world_size}",
                     self.root
-                )));
+                ));
             }
         } else if self.root >= world_size {
-            return Err(bad(format!(
+            return bad(format!(
                 "root {} is not below world size {world_size}",
                 self.root
-            )));
+            ));
         }
-        if self.reduces() {
-            self.op.validate(self.dtype).map_err(|e| match e {
-                Error::InvalidArgument(m) => bad(m),
-                e => e,
-            })?;
+        match self.op.validate(self.dtype) {
+            Err(Error::InvalidArgument(m)) => bad(m),
+            Err(e) => e,
+            Ok(()) => Error::Internal(format!("{self} was refused without a reason")),
         }
-        Ok(())
     }
 }
 
