@@ -286,3 +286,109 @@ fn a_timeout_names_the_rank_that_did_not_arrive() {
     }
     assert!(results[1].is_err());
 }
+
+/// The untyped call path that bindings use: memory refs are checked (kind,
+/// lengths, the in-place layouts) before anything is sent, errors carry
+/// their stable codes, and valid calls give the typed methods' results.
+#[test]
+fn the_untyped_call_path_checks_memory_and_layout() {
+    use ccl::{BufMut, BufRef, Collective, CollectiveKind, DataType, ErrorCode, MemoryKind};
+    let results = with_ranks(2, Options::default(), |comm| {
+        let (r, n) = (comm.rank(), comm.world_size());
+        let sum4 = Collective::new(CollectiveKind::AllReduce, DataType::U32, 4);
+        let mut codes = Vec::new();
+        // Device memory in a build without GPU support; and memory of two kinds.
+        let mut host = [0u8; 16];
+        let gpu = MemoryKind::Device { ordinal: 0 };
+        // SAFETY: refused before anything dereferences them.
+        let (input, output) = unsafe {
+            (
+                BufRef::from_raw(gpu, host.as_ptr(), 16),
+                BufMut::from_raw(gpu, host.as_mut_ptr(), 16),
+            )
+        };
+        let e = comm.run(&sum4, input, output).unwrap_err();
+        assert!(e.to_string().contains("GPU 0"), "{e}");
+        codes.push(e.code());
+        // SAFETY: as above.
+        let input = unsafe { BufRef::from_raw(gpu, host.as_ptr(), 16) };
+        let e = comm
+            .run(&sum4, input, BufMut::from_host(&mut [0u8; 16]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("the input lies in memory of GPU 0"),
+            "{e}"
+        );
+        codes.push(e.code());
+        // A short output.
+        let e = comm
+            .run(
+                &sum4,
+                BufRef::from_host(&[0u8; 16]),
+                BufMut::from_host(&mut [0u8; 12]),
+            )
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("output has 3 elements, expected 4"),
+            "{e}"
+        );
+        codes.push(e.code());
+        // Input and output overlapping other than in place.
+        let mut buf = [0u32; 8];
+        let base = buf.as_mut_ptr().cast::<u8>();
+        // SAFETY: both within `buf`; the call refuses them before touching them.
+        let (input, output) = unsafe {
+            (
+                BufRef::from_raw(MemoryKind::Host, base, 16),
+                BufMut::from_raw(MemoryKind::Host, base.add(4), 16),
+            )
+        };
+        let e = comm.run(&sum4, input, output).unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
+        codes.push(e.code());
+        // Send/recv go through their own entry points.
+        let p2p = Collective::new(CollectiveKind::SendRecv, DataType::U8, 0);
+        let e = comm
+            .run(&p2p, BufRef::from_host(&[]), BufMut::from_host(&mut []))
+            .unwrap_err();
+        codes.push(e.code());
+        // A valid allreduce, and an allgather in place (this rank's block
+        // of the output is its input).
+        let mine = [r as u32 + 1; 4];
+        let mut sum = [0u32; 4];
+        comm.run(
+            &sum4,
+            BufRef::from_host(bytemuck::cast_slice(&mine)),
+            BufMut::from_host(bytemuck::cast_slice_mut(&mut sum)),
+        )
+        .unwrap();
+        let mut all = vec![0u64; 2 * n];
+        all[2 * r..2 * r + 2].copy_from_slice(&[r as u64 * 10; 2]);
+        let gather = Collective::new(CollectiveKind::AllGather, DataType::U64, 2);
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut all);
+        let base = bytes.as_mut_ptr();
+        // SAFETY: this rank's block lies within `all`, borrowed for the call.
+        let (input, output) = unsafe {
+            (
+                BufRef::from_raw(MemoryKind::Host, base.add(16 * r), 16),
+                BufMut::from_raw(MemoryKind::Host, base, bytes.len()),
+            )
+        };
+        comm.run(&gather, input, output).unwrap();
+        (codes, sum, all)
+    });
+    for (codes, sum, all) in results {
+        assert_eq!(
+            codes,
+            [
+                ErrorCode::Unsupported,
+                ErrorCode::InvalidArgument,
+                ErrorCode::InvalidArgument,
+                ErrorCode::InvalidArgument,
+                ErrorCode::InvalidArgument
+            ]
+        );
+        assert_eq!(sum, [3; 4]);
+        assert_eq!(all, [0, 0, 10, 10]);
+    }
+}
