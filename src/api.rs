@@ -134,8 +134,7 @@ impl Communicator {
         self.run(&coll, input, output)
     }
 
-    /// A call from `input` into `output` (a buffer the rank's role does not
-    /// use is ignored).
+    /// A call from `input` into `output`.
     fn out_of_place<T: Element>(
         &self,
         template: Collective,
@@ -143,9 +142,6 @@ impl Communicator {
         output: &mut [T],
     ) -> Result<()> {
         let coll = self.count_out_of_place(template, input.len(), output.len())?;
-        let (ni, no) = coll.buffer_elems(self.rank(), self.world_size());
-        let input: &[T] = if ni == 0 { &[] } else { input };
-        let output: &mut [T] = if no == 0 { &mut [] } else { output };
         self.run(
             &coll,
             BufRef::from_host(bytemuck::cast_slice(input)),
@@ -189,8 +185,7 @@ impl Communicator {
             Ok(c) => c,
             Err(e) => return Work::ready(Err(e)),
         };
-        let ni = coll.buffer_elems(self.rank(), self.world_size()).0;
-        let input_bytes: &[u8] = bytemuck::cast_slice(if ni == 0 { &[] } else { &input[..] });
+        let input_bytes: &[u8] = bytemuck::cast_slice(&input);
         let output_bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut output);
         // SAFETY: the vectors' heap memory does not move when they move into
         // the completion, which keeps them alive until the engine is done.

@@ -5,6 +5,8 @@
 //! sum scales a copy of its input, and then it runs on this thread (a group
 //! algorithm with nothing queued) or goes to the engine as a job.
 
+use std::ptr::NonNull;
+
 use ccl_algorithms::{Algorithm, Choice, IoBuffers};
 use ccl_core::{
     work_pair, BufMut, BufRef, Call, Collective, CollectiveKind, DataType, Error, Kernels,
@@ -72,8 +74,8 @@ impl Communicator {
     ///
     /// Lengths are in bytes and must be what the collective needs on this
     /// rank ([`Collective::buffer_elems`] elements of `coll.dtype`); a buffer
-    /// the rank's role does not use may be empty, or the other buffer itself
-    /// (in place). Input and output may be the same memory, or lie one in
+    /// the rank's role does not use (a broadcast's input off the root, a
+    /// reduce's or gather's output off the root) is ignored, whatever it is. Input and output may be the same memory, or lie one in
     /// the other at this rank's block (allgather and gather: the input in
     /// the output; reduce-scatter and scatter: the output in the input);
     /// any other overlap is an error. Both lie in one kind of memory.
@@ -193,7 +195,7 @@ impl Communicator {
         &self,
         coll: &Collective,
         input: BufRef<'_>,
-        mut output: BufMut<'_>,
+        output: BufMut<'_>,
     ) -> Result<Prepared> {
         let (rank, n) = (self.inner.rank, self.inner.world_size);
         if coll.kind == CollectiveKind::SendRecv {
@@ -204,6 +206,21 @@ impl Communicator {
             ));
         }
         coll.validate(rank, n)?;
+        // A buffer this rank's role does not use is ignored (a broadcast's
+        // input off the root, a reduce's output off the root), as NCCL does.
+        let (need_in, need_out) = coll.buffer_elems(rank, n);
+        let (input, mut output) = match (need_in, need_out) {
+            (0, 0) => (BufRef::from_host(&[]), BufMut::from_host(&mut [])),
+            (0, _) => (
+                BufRef::from_raw(output.kind(), NonNull::dangling().as_ptr(), 0),
+                output,
+            ),
+            (_, 0) => (
+                input,
+                BufMut::from_raw(input.kind(), NonNull::dangling().as_ptr(), 0),
+            ),
+            _ => (input, output),
+        };
         if input.kind() != output.kind() {
             return Err(invalid(
                 coll,
@@ -217,13 +234,12 @@ impl Communicator {
         }
         let kernels = kernels_for(output.kind())?;
         let size = coll.dtype.size();
-        let (need_in, need_out) = coll.buffer_elems(rank, n);
         let in_place =
             input.as_ptr() == output.as_mut_ptr().cast_const() && input.len() == output.len();
         if output.len() != need_out * size {
             return Err(bad_len(coll, rank, "output", output.len(), need_out));
         }
-        if input.len() != need_in * size && !(in_place || (need_in == 0 && input.is_empty())) {
+        if input.len() != need_in * size && !in_place {
             return Err(bad_len(coll, rank, "input", input.len(), need_in));
         }
         // Overlap only in the layouts the schedules are written for.

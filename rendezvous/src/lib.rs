@@ -5,10 +5,12 @@
 //! prefixed view for sub-communicators), the job secret's challenge-response
 //! that every TCP connection of a job opens with ([`auth`]), and the
 //! [`Config`] read from the environment conventions of torchrun, OpenMPI,
-//! PMI and Slurm. It depends on `ccl-core` alone.
+//! PMI and Slurm, and the addresses a rank advertises ([`net`]). It depends
+//! on `ccl-core` alone.
 
 pub mod auth;
 pub mod config;
+pub mod net;
 pub mod store;
 
 pub use ccl_core::{JobSecret, Store};

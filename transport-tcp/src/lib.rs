@@ -25,12 +25,12 @@ mod link;
 mod mesh;
 mod socket;
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::IpAddr;
 
 use ccl_core::{
     Connector, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
 };
-use ccl_rendezvous::{Config, Rendezvous};
+use ccl_rendezvous::{net::route_to, Config, Rendezvous};
 
 pub use link::{REDUCE_PIECE, STRIPE_MIN};
 pub use mesh::connect_mesh;
@@ -127,57 +127,5 @@ impl Connector for mesh::Listening {
         _: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })
-    }
-}
-
-/// The local address the OS would use to reach `host:port` (a UDP socket is
-/// connected, which sends nothing). `None` if `host` does not resolve or no
-/// route leads there. `host` may be a name or an address (IPv6 with or without brackets).
-pub fn route_to(host: &str, port: u16) -> Option<IpAddr> {
-    let host = host
-        .strip_prefix('[')
-        .and_then(|h| h.strip_suffix(']'))
-        .unwrap_or(host);
-    // Connecting a UDP socket to port 0 is refused; any port finds the same route.
-    let port = if port == 0 { 9 } else { port };
-    let targets = (host, port).to_socket_addrs().ok()?;
-    for target in targets {
-        let unspecified: SocketAddr = match target {
-            SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-            SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-        };
-        let Ok(socket) = UdpSocket::bind(unspecified) else {
-            continue;
-        };
-        if socket.connect(target).is_err() {
-            continue;
-        }
-        match socket.local_addr() {
-            Ok(local) if !local.ip().is_unspecified() => return Some(local.ip()),
-            _ => continue,
-        }
-    }
-    None
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn route_to_loopback() {
-        assert_eq!(
-            route_to("127.0.0.1", 29500),
-            Some(IpAddr::V4(Ipv4Addr::LOCALHOST))
-        );
-        assert_eq!(
-            route_to("127.0.0.1", 0),
-            Some(IpAddr::V4(Ipv4Addr::LOCALHOST))
-        );
-        assert!(route_to("localhost", 29500).is_some_and(|ip| ip.is_loopback()));
-        if std::net::TcpListener::bind("[::1]:0").is_ok() {
-            assert_eq!(route_to("[::1]", 1), Some(IpAddr::V6(Ipv6Addr::LOCALHOST)));
-            assert_eq!(route_to("::1", 1), Some(IpAddr::V6(Ipv6Addr::LOCALHOST)));
-        }
     }
 }

@@ -3,12 +3,13 @@
 //! listening and connecting with them.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV6},
+    net::{IpAddr, Ipv4Addr, SocketAddr},
     sync::OnceLock,
     time::Duration,
 };
 
 use ccl_core::{Error, Result};
+use ccl_rendezvous::net::interface_address;
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -26,42 +27,6 @@ pub(crate) fn local_address(opts: &TcpOptions) -> Result<SocketAddr> {
         opts.local_ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)),
         0,
     ))
-}
-
-/// The address of network interface `name`: IPv4 if it has one, else a global
-/// IPv6 address, else a link-local one (with its scope).
-fn interface_address(name: &str) -> Result<SocketAddr> {
-    let addrs = nix::ifaddrs::getifaddrs()
-        .map_err(|e| Error::Config(format!("listing network interfaces for '{name}': {e}")))?;
-    let mut found = false;
-    let (mut v4, mut v6, mut v6_local) = (None, None, None);
-    for ifa in addrs.filter(|i| i.interface_name == name) {
-        found = true;
-        let Some(a) = ifa.address else { continue };
-        if let Some(sin) = a.as_sockaddr_in() {
-            v4 = v4.or(Some(SocketAddr::new(IpAddr::V4(sin.ip()), 0)));
-        } else if let Some(sin6) = a.as_sockaddr_in6() {
-            let ip = sin6.ip();
-            if ip.segments()[0] & 0xffc0 == 0xfe80 {
-                v6_local = v6_local.or(Some(SocketAddr::V6(SocketAddrV6::new(
-                    ip,
-                    0,
-                    0,
-                    sin6.scope_id(),
-                ))));
-            } else {
-                v6 = v6.or(Some(SocketAddr::new(IpAddr::V6(ip), 0)));
-            }
-        }
-    }
-    if !found {
-        return Err(Error::Config(format!(
-            "network interface '{name}' (CCL_SOCKET_IFNAME) does not exist"
-        )));
-    }
-    v4.or(v6)
-        .or(v6_local)
-        .ok_or_else(|| Error::Config(format!("network interface '{name}' has no IP address")))
 }
 
 /// Whether the kernel grants [`SOCKET_BUFFER`]-byte buffers. Where it caps
@@ -143,19 +108,4 @@ pub(crate) async fn open(addr: SocketAddr) -> std::io::Result<TcpStream> {
     socket.set_nodelay(true)?;
     watch_peer(&socket2::SockRef::from(&socket))?;
     socket.connect(addr).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn interface_lookup() {
-        let lo = interface_address("lo").unwrap();
-        assert!(lo.ip().is_loopback(), "{lo}");
-        assert!(matches!(
-            interface_address("no-such-if0"),
-            Err(Error::Config(_))
-        ));
-    }
 }
