@@ -118,9 +118,12 @@ impl Shared {
 
     /// The error of a call made on a broken or dropped communicator.
     fn broken_error(&self) -> Error {
-        let cause = self
-            .broken()
-            .map_or_else(|| "the communicator was dropped".into(), |e| e.to_string());
+        let cause = match self.broken() {
+            None => "the communicator was dropped".into(),
+            // A call failed with Broken already: keep its cause, not a nested message.
+            Some(Error::Broken { cause, .. }) => cause,
+            Some(e) => e.to_string(),
+        };
         Error::Broken {
             rank: self.rank,
             cause,
