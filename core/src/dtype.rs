@@ -69,6 +69,29 @@ impl DataType {
         }
     }
 
+    /// The value of one element of this type (native byte order) as an
+    /// f64 (exact for every type but the 64-bit integers beyond 2^53);
+    /// `None` unless `bytes` holds exactly one element.
+    pub fn value_to_f64(self, bytes: &[u8]) -> Option<f64> {
+        macro_rules! read {
+            ($t:ty) => {
+                <$t>::from_ne_bytes(bytes.try_into().ok()?)
+            };
+        }
+        Some(match self {
+            DataType::I8 => f64::from(read!(i8)),
+            DataType::U8 => f64::from(read!(u8)),
+            DataType::I32 => f64::from(read!(i32)),
+            DataType::U32 => f64::from(read!(u32)),
+            DataType::I64 => read!(i64) as f64,
+            DataType::U64 => read!(u64) as f64,
+            DataType::F16 => f16::from_bits(read!(u16)).to_f64(),
+            DataType::Bf16 => bf16::from_bits(read!(u16)).to_f64(),
+            DataType::F32 => f64::from(read!(f32)),
+            DataType::F64 => read!(f64),
+        })
+    }
+
     /// Decodes the wire tag written by `as u8`.
     pub fn from_u8(tag: u8) -> Option<DataType> {
         DataType::ALL.into_iter().find(|d| *d as u8 == tag)
@@ -125,6 +148,21 @@ element!(i8 => I8, u8 => U8, i32 => I32, u32 => U32, i64 => I64, u64 => U64,
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_element_reads_as_f64() {
+        assert_eq!(
+            DataType::I32.value_to_f64(&(-7i32).to_ne_bytes()),
+            Some(-7.0)
+        );
+        assert_eq!(
+            DataType::F64.value_to_f64(&0.25f64.to_ne_bytes()),
+            Some(0.25)
+        );
+        let h = bf16::from_f64(1.5).to_bits().to_ne_bytes();
+        assert_eq!(DataType::Bf16.value_to_f64(&h), Some(1.5));
+        assert_eq!(DataType::I32.value_to_f64(&[0u8; 3]), None);
+    }
 
     #[test]
     fn names_round_trip() {
