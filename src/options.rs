@@ -56,6 +56,15 @@ impl Default for Options {
 }
 
 impl Options {
+    /// The options the `CCL_*` variables of this process set, for a
+    /// communicator whose rank, size and store come from elsewhere (a store
+    /// object a framework hands over).
+    pub fn from_env() -> Result<Options> {
+        // One rank needs no rendezvous variables: only the knobs are read.
+        let knobs_only = [("RANK", "0".into()), ("WORLD_SIZE", "1".into())];
+        Options::from_config(&Config::from_env_with(&knobs_only)?)
+    }
+
     /// The options a [`Config`] read from the environment sets, the
     /// transports' own knobs (`CCL_NSOCKS`, `CCL_SHM_BYTES`, ...) included.
     pub fn from_config(config: &Config) -> Result<Options> {

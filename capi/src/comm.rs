@@ -117,14 +117,6 @@ fn hand_out(comm: Communicator, out: &mut cclComm_t) {
     *out = COMMS.insert(CommState::new(comm)) as cclComm_t;
 }
 
-/// The variables of this process, with `extra` set over them.
-fn environment_with(extra: &[(&str, String)]) -> Vec<(String, String)> {
-    std::env::vars_os()
-        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
-        .chain(extra.iter().map(|(k, v)| (k.to_string(), v.clone())))
-        .collect()
-}
-
 /// Servers of the unique ids this process made: they live as long as it.
 static SERVERS: Mutex<Vec<TcpStoreServer>> = Mutex::new(Vec::new());
 
@@ -210,15 +202,15 @@ pub extern "C" fn cclCommInitRank(
         let comm = out(comm, "comm")?;
         let (host, port, secret) = parse_id(&id)?;
         let (n, r) = (non_negative(nranks, "nranks")?, non_negative(rank, "rank")?);
-        let vars = environment_with(&[
+        let config = Config::from_env_with(&[
             ("RANK", r.to_string()),
             ("WORLD_SIZE", n.to_string()),
             ("MASTER_ADDR", host),
             ("MASTER_PORT", port),
             ("CCL_STORE_EXTERNAL", "1".into()),
             ("CCL_JOB_SECRET", secret),
-        ]);
-        hand_out(Communicator::from_config(&Config::from_vars(vars)?)?, comm);
+        ])?;
+        hand_out(Communicator::from_config(&config)?, comm);
         Ok(())
     })
 }
@@ -256,13 +248,13 @@ pub extern "C" fn cclCommInitStore(
             .to_str()
             .map_err(|_| Error::InvalidArgument("host is not UTF-8".into()))?;
         let (n, r) = (non_negative(nranks, "nranks")?, non_negative(rank, "rank")?);
-        let vars = environment_with(&[
+        let config = Config::from_env_with(&[
             ("RANK", r.to_string()),
             ("WORLD_SIZE", n.to_string()),
             ("MASTER_ADDR", host.to_string()),
             ("MASTER_PORT", non_negative(port, "port")?.to_string()),
-        ]);
-        hand_out(Communicator::from_config(&Config::from_vars(vars)?)?, comm);
+        ])?;
+        hand_out(Communicator::from_config(&config)?, comm);
         Ok(())
     })
 }

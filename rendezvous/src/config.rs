@@ -103,9 +103,16 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 impl Config {
     /// Reads the process environment (variables that are not UTF-8 count as unset).
     pub fn from_env() -> Result<Config> {
+        Config::from_env_with(&[])
+    }
+
+    /// Reads the process environment with the variables of `extra` set over
+    /// it (the C and Python bindings pass rank, size and store this way).
+    pub fn from_env_with(extra: &[(&str, String)]) -> Result<Config> {
         Config::from_vars(
             std::env::vars_os()
-                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
+                .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+                .chain(extra.iter().map(|(k, v)| (k.to_string(), v.clone()))),
         )
     }
 
