@@ -215,6 +215,17 @@ pub(crate) fn spin_for(rank: usize, peers: &[PeerInfo], window: Option<Duration>
     spin
 }
 
+/// `rank`'s index among the ranks that share its host (in rank order), and
+/// how many share it.
+pub(crate) fn place_on_host(rank: usize, peers: &[PeerInfo]) -> (usize, usize) {
+    let host = &peers[rank].host;
+    let on_host = |p: &&PeerInfo| &p.host == host;
+    (
+        peers[..rank].iter().filter(on_host).count(),
+        peers.iter().filter(on_host).count(),
+    )
+}
+
 /// The last step of set-up: every other rank tells rank 0 that it is done
 /// with the store, and rank 0 waits for that. Rank 0 may host the store, so it
 /// must not run ahead (and exit, say) while others still read their set-up keys.
@@ -254,6 +265,18 @@ mod tests {
         assert!(spin_for(2, &crowded, None).yield_between);
         let set = spin_for(0, &pinned, Some(Duration::from_micros(3)));
         assert_eq!(set.window, Duration::from_micros(3));
+    }
+
+    #[test]
+    fn a_rank_s_place_counts_the_ranks_of_its_host() {
+        let peers = [
+            info("a", &[0]),
+            info("b", &[0]),
+            info("a", &[1]),
+            info("b", &[1]),
+        ];
+        let places: Vec<_> = (0..4).map(|r| place_on_host(r, &peers)).collect();
+        assert_eq!(places, [(0, 2), (0, 2), (1, 2), (1, 2)]);
     }
 
     #[test]

@@ -36,6 +36,9 @@ pub struct Communicator {
 pub(crate) struct Inner {
     pub(crate) rank: usize,
     pub(crate) world_size: usize,
+    /// This rank's index among the ranks of its host, and how many they are.
+    host_rank: usize,
+    host_size: usize,
     /// The store it was built from (unscoped), for sub-communicators.
     store: Arc<dyn Store>,
     prefix: String,
@@ -161,6 +164,7 @@ impl Communicator {
             .block_on(async { tokio::task::spawn_blocking(exchange).await })
             .map_err(|e| Error::Internal(format!("the exchange of peer info failed: {e}")))??;
         let spin = bootstrap::spin_for(rank, &peers, options.spin_window);
+        let (host_rank, host_size) = bootstrap::place_on_host(rank, &peers);
         let connected = prepared.connect(&peers, spin, &runtime)?;
         if world_size > 1 {
             let used: Vec<String> = connected
@@ -205,6 +209,8 @@ impl Communicator {
                 timeout_ns: AtomicU64::new(nanos(options.timeout)),
                 rank,
                 world_size,
+                host_rank,
+                host_size,
                 store,
                 prefix,
                 options,
@@ -228,6 +234,20 @@ impl Communicator {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.inner.world_size
+    }
+
+    /// This rank's index among the ranks of this communicator on its host
+    /// (torch's `LOCAL_RANK`, for picking a GPU), in rank order. Ranks share
+    /// a host when their host identities match: hostname, boot id and
+    /// namespaces, or `CCL_HOST_ID` where set, as for shared memory.
+    pub fn host_rank(&self) -> usize {
+        self.inner.host_rank
+    }
+
+    /// How many ranks of this communicator run on this rank's host
+    /// (torch's `LOCAL_WORLD_SIZE`); see [`Communicator::host_rank`].
+    pub fn host_size(&self) -> usize {
+        self.inner.host_size
     }
 
     /// The transports that link this rank to its peers, most preferred

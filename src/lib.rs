@@ -19,6 +19,7 @@
 //! runs with), `engine` (running calls in order, under deadlines), `call`
 //! (the one untyped call path: [`Communicator::run`] and friends, which the
 //! C and Python bindings use too) and `api` (the typed methods over it).
+//! [`train`] holds helpers for data-parallel training over a communicator.
 
 mod api;
 mod bootstrap;
@@ -28,6 +29,7 @@ mod communicator;
 mod engine;
 mod options;
 mod selection;
+pub mod train;
 mod transports;
 
 pub use bootstrap::rendezvous_store;
