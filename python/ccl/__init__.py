@@ -13,19 +13,53 @@ must be contiguous, and outputs writable. `import ccl.torch` registers the
 torch.distributed backend "cclrs"; `ccl.train` has training helpers.
 """
 
+from typing import Optional
+
 from ._ccl import (
     BrokenError,
     Communicator,
     Error,
     MismatchError,
     PeerLostError,
-    ReduceOp,
     StoreError,
     TimeoutError,
     UnsupportedError,
     Work,
     __version__,
 )
+
+
+
+class ReduceOp:
+    """A reduction op: `ReduceOp.SUM`, `PROD`, `MIN`, `MAX`, `AVG` (integer
+    division for integers), `BAND`, `BOR`, `BXOR` (integers only), or
+    `ReduceOp.premul_sum(scalar)`: each rank multiplies its input by its own
+    scalar, then the inputs are summed. Calls also take the names as strings
+    ("sum", "avg", ...)."""
+
+    __slots__ = ("name", "scalar")
+
+    def __init__(self, name: str, scalar: Optional[float] = None):
+        self.name = name
+        self.scalar = scalar
+
+    @staticmethod
+    def premul_sum(scalar: float) -> "ReduceOp":
+        return ReduceOp("premulsum", float(scalar))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ReduceOp) and (self.name, self.scalar) == (other.name, other.scalar)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.scalar))
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.premul_sum({self.scalar})" if self.scalar is not None else f"ReduceOp.{self.name.upper()}"
+
+
+for _name in ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor"):
+    setattr(ReduceOp, _name.upper(), ReduceOp(_name))
+del _name
 
 __all__ = [
     "BrokenError",

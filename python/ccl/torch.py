@@ -191,6 +191,13 @@ class CclBackend(_C10dBackend):
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
+    @staticmethod
+    def _async(opts) -> bool:
+        """Whether torch asked for an asynchronous call. A blocking one
+        (`dist.all_reduce(t)`) runs on the calling thread, which saves the
+        hand-over to ccl's engine thread; DDP's calls stay asynchronous."""
+        return getattr(opts, "asyncOp", True)
+
     def _work(self, works, result, finish=None) -> Work:
         return Work(works, result, self, finish)
 
@@ -198,7 +205,7 @@ class CclBackend(_C10dBackend):
 
     def allreduce(self, tensors, opts):
         op = _op(opts.reduceOp)
-        works = [self.comm.allreduce(_cpu(t, "allreduce"), op=op, async_op=True) for t in tensors]
+        works = [self.comm.allreduce(_cpu(t, "allreduce"), op=op, async_op=self._async(opts)) for t in tensors]
         return self._work(works, tensors)
 
     def allreduce_coalesced(self, tensors, opts):
@@ -206,19 +213,19 @@ class CclBackend(_C10dBackend):
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
-        work = self.comm.broadcast(_cpu(t, "broadcast"), root=opts.rootRank, async_op=True)
+        work = self.comm.broadcast(_cpu(t, "broadcast"), root=opts.rootRank, async_op=self._async(opts))
         return self._work([work], tensors)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         work = self.comm.reduce(
-            _cpu(t, "reduce"), op=_op(opts.reduceOp), root=opts.rootRank, async_op=True
+            _cpu(t, "reduce"), op=_op(opts.reduceOp), root=opts.rootRank, async_op=self._async(opts)
         )
         return self._work([work], tensors)
 
     def all_gather_single(self, output, input, opts):
         work = self.comm.allgather(
-            _cpu(input, "all_gather input"), _cpu(output, "all_gather output"), async_op=True
+            _cpu(input, "all_gather input"), _cpu(output, "all_gather output"), async_op=self._async(opts)
         )
         return self._work([work], [output])
 
@@ -228,7 +235,7 @@ class CclBackend(_C10dBackend):
         t = _cpu(_one(inputs, "allgather"), "allgather input")
         outputs = output_lists[0]
         staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype)
-        work = self.comm.allgather(t.contiguous(), staging, async_op=True)
+        work = self.comm.allgather(t.contiguous(), staging, async_op=self._async(opts))
 
         def finish():
             for out, block in zip(outputs, staging):
@@ -238,7 +245,7 @@ class CclBackend(_C10dBackend):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         works = [
-            self.comm.allgather(_cpu(i, "input"), _cpu(o, "output"), async_op=True)
+            self.comm.allgather(_cpu(i, "input"), _cpu(o, "output"), async_op=self._async(opts))
             for o, i in zip(outputs, inputs)
         ]
         return self._work(works, outputs)
@@ -254,7 +261,7 @@ class CclBackend(_C10dBackend):
             _cpu(input, "reduce_scatter input"),
             _cpu(output, "reduce_scatter output"),
             op=_op(opts.reduceOp),
-            async_op=True,
+            async_op=self._async(opts),
         )
         return self._work([work], [output])
 
@@ -263,13 +270,13 @@ class CclBackend(_C10dBackend):
     def reduce_scatter(self, outputs, input_lists, opts):
         out = _cpu(_one(outputs, "reduce_scatter"), "reduce_scatter output")
         staging = torch.cat([_cpu(t, "reduce_scatter input").reshape(-1) for t in input_lists[0]])
-        work = self.comm.reduce_scatter(staging, out, op=_op(opts.reduceOp), async_op=True)
+        work = self.comm.reduce_scatter(staging, out, op=_op(opts.reduceOp), async_op=self._async(opts))
         return self._work([work], outputs)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         op = _op(opts.reduceOp)
         works = [
-            self.comm.reduce_scatter(_cpu(i, "input"), _cpu(o, "output"), op=op, async_op=True)
+            self.comm.reduce_scatter(_cpu(i, "input"), _cpu(o, "output"), op=op, async_op=self._async(opts))
             for o, i in zip(outputs, inputs)
         ]
         return self._work(works, outputs)
@@ -290,7 +297,7 @@ class CclBackend(_C10dBackend):
                 f"by the group size {n} (got {input.numel()} and {output.numel()})"
             )
         work = self.comm.alltoall(
-            _cpu(input, "all_to_all input"), _cpu(output, "all_to_all output"), async_op=True
+            _cpu(input, "all_to_all input"), _cpu(output, "all_to_all output"), async_op=self._async(opts)
         )
         return self._work([work], [output])
 
@@ -304,7 +311,7 @@ class CclBackend(_C10dBackend):
             )
         staging_in = torch.cat([_cpu(t, "all_to_all input").reshape(-1) for t in inputs])
         staging_out = torch.empty_like(staging_in)
-        work = self.comm.alltoall(staging_in, staging_out, async_op=True)
+        work = self.comm.alltoall(staging_in, staging_out, async_op=self._async(opts))
 
         def finish():
             for out, block in zip(outputs, staging_out.chunk(len(outputs))):
@@ -316,11 +323,11 @@ class CclBackend(_C10dBackend):
         t = _cpu(_one(inputs, "gather"), "gather input")
         root = opts.rootRank
         if self.rank() != root:
-            work = self.comm.gather(t.contiguous(), None, root=root, async_op=True)
+            work = self.comm.gather(t.contiguous(), None, root=root, async_op=self._async(opts))
             return self._work([work], output_lists)
         outputs = output_lists[0]
         staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype)
-        work = self.comm.gather(t.contiguous(), staging, root=root, async_op=True)
+        work = self.comm.gather(t.contiguous(), staging, root=root, async_op=self._async(opts))
 
         def finish():
             for out, block in zip(outputs, staging):
@@ -334,11 +341,11 @@ class CclBackend(_C10dBackend):
         staging = None
         if self.rank() == root:
             staging = torch.cat([_cpu(t, "scatter input").reshape(-1) for t in input_lists[0]])
-        work = self.comm.scatter(staging, out, root=root, async_op=True)
+        work = self.comm.scatter(staging, out, root=root, async_op=self._async(opts))
         return self._work([work], outputs)
 
     def barrier(self, opts):
-        return self._work([self.comm.barrier(async_op=True)], [])
+        return self._work([self.comm.barrier(async_op=self._async(opts))], [])
 
     def send(self, tensors, dst: int, tag: int):
         if tag != 0:

@@ -14,7 +14,6 @@ small arrays are fused into buffers of `bucket_bytes` per call, as DDP's
 buckets are, so that a model of a thousand tensors costs a few calls.
 """
 
-import os
 import random
 from typing import Any, Iterable, List, Optional, Sequence
 
@@ -24,13 +23,11 @@ from . import Communicator, ReduceOp
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def local_rank() -> int:
-    """This process's rank among the ranks of its host, as the launcher
-    says (torchrun, ccl-run, mpirun, srun); 0 when none does."""
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+def local_rank(comm: Communicator) -> int:
+    """This worker's index in `range(total_workers(comm))`: Lux's
+    `local_rank`, the rank in the communicator (not the index among the
+    ranks of one host, torch's LOCAL_RANK: that is `comm.host_rank`)."""
+    return comm.rank
 
 
 def total_workers(comm: Communicator) -> int:

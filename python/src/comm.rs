@@ -25,78 +25,30 @@ use crate::{
     BrokenError,
 };
 
-/// A reduction op: `ReduceOp.SUM`, ..., or `ReduceOp.premul_sum(scalar)`.
-/// Collectives also take the names as strings ("sum", "avg", "band", ...).
-#[pyclass(module = "ccl._ccl", frozen, eq)]
-#[derive(Clone, Copy, PartialEq)]
-pub struct ReduceOp(Op);
-
-#[allow(non_snake_case)]
-#[pymethods]
-impl ReduceOp {
-    #[classattr]
-    fn SUM() -> ReduceOp {
-        ReduceOp(Op::Sum)
-    }
-    #[classattr]
-    fn PROD() -> ReduceOp {
-        ReduceOp(Op::Prod)
-    }
-    #[classattr]
-    fn MIN() -> ReduceOp {
-        ReduceOp(Op::Min)
-    }
-    #[classattr]
-    fn MAX() -> ReduceOp {
-        ReduceOp(Op::Max)
-    }
-    /// Sum divided by the number of ranks (integer division for integers).
-    #[classattr]
-    fn AVG() -> ReduceOp {
-        ReduceOp(Op::Avg)
-    }
-    #[classattr]
-    fn BAND() -> ReduceOp {
-        ReduceOp(Op::BitAnd)
-    }
-    #[classattr]
-    fn BOR() -> ReduceOp {
-        ReduceOp(Op::BitOr)
-    }
-    #[classattr]
-    fn BXOR() -> ReduceOp {
-        ReduceOp(Op::BitXor)
-    }
-
-    /// Each rank multiplies its input by `scalar` (its own), then the inputs
-    /// are summed.
-    #[staticmethod]
-    fn premul_sum(scalar: f64) -> ReduceOp {
-        ReduceOp(Op::PreMulSum(scalar))
-    }
-
-    /// The op's short name ("sum", "premulsum", ...).
-    #[getter]
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-
-    fn __repr__(&self) -> String {
-        format!("ReduceOp({})", self.0)
-    }
-}
-
-/// An op given as a `ReduceOp` or by name.
+/// The op of a call: a name ("sum", "avg", "band", ...) or a
+/// `ccl.ReduceOp` (which has `name` and, for "premulsum", `scalar`).
 fn op_of(op: &Bound<'_, PyAny>) -> PyResult<Op> {
-    if let Ok(op) = op.cast::<ReduceOp>() {
-        return Ok(op.get().0);
+    let wrong = || PyTypeError::new_err("op must be a ccl.ReduceOp or its name");
+    let (name, scalar): (String, Option<f64>) = match op.extract::<String>() {
+        Ok(name) => (name, None),
+        Err(_) => (
+            op.getattr("name")
+                .and_then(|n| n.extract())
+                .map_err(|_| wrong())?,
+            op.getattr("scalar")
+                .and_then(|s| s.extract())
+                .map_err(|_| wrong())?,
+        ),
+    };
+    let name = name.to_ascii_lowercase();
+    if name == "premulsum" {
+        return scalar.map(Op::PreMulSum).ok_or_else(|| {
+            PyValueError::new_err("premulsum needs its scalar: ReduceOp.premul_sum(scalar)")
+        });
     }
-    let name: String = op
-        .extract()
-        .map_err(|_| PyTypeError::new_err("op must be a ccl.ReduceOp or its name"))?;
     Op::ALL
         .into_iter()
-        .find(|o| o.name() == name.to_ascii_lowercase() && !matches!(o, Op::PreMulSum(_)))
+        .find(|o| o.name() == name && !matches!(o, Op::PreMulSum(_)))
         .ok_or_else(|| {
             PyValueError::new_err(format!(
                 "no reduction op is named {name:?} (sum, prod, min, max, avg, band, bor, bxor; \
@@ -117,7 +69,7 @@ fn op_of(op: &Bound<'_, PyAny>) -> PyResult<Op> {
 /// every rank: from one thread, or ordered by the program.
 #[pyclass(module = "ccl._ccl", frozen)]
 pub struct Communicator {
-    comm: Mutex<Option<Arc<Comm>>>,
+    comm: Mutex<Option<Comm>>,
 }
 
 /// Raw memory of a call, sent to the thread that runs it.
@@ -177,11 +129,12 @@ fn seconds(t: f64) -> PyResult<Duration> {
 impl Communicator {
     fn wrap(comm: Comm) -> Communicator {
         Communicator {
-            comm: Mutex::new(Some(Arc::new(comm))),
+            comm: Mutex::new(Some(comm)),
         }
     }
 
-    fn get(&self) -> PyResult<Arc<Comm>> {
+    /// A handle on the communicator (a clone: it is an `Arc` inside).
+    fn get(&self) -> PyResult<Comm> {
         self.comm
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -345,6 +298,19 @@ impl Communicator {
     #[getter]
     fn world_size(&self) -> PyResult<usize> {
         Ok(self.get()?.world_size())
+    }
+
+    /// This rank's index among the ranks of this communicator on its host
+    /// (torch's LOCAL_RANK: which GPU to take).
+    #[getter]
+    fn host_rank(&self) -> PyResult<usize> {
+        Ok(self.get()?.host_rank())
+    }
+
+    /// How many ranks of this communicator run on this rank's host.
+    #[getter]
+    fn host_size(&self) -> PyResult<usize> {
+        Ok(self.get()?.host_size())
     }
 
     /// Seconds every wait may take before it fails with `ccl.TimeoutError`.

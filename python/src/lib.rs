@@ -65,7 +65,6 @@ fn _ccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<comm::Communicator>()?;
-    m.add_class::<comm::ReduceOp>()?;
     m.add_class::<work::Work>()?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;

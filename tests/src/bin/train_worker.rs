@@ -141,16 +141,13 @@ fn refs<T>(tensors: &[Vec<T>]) -> Vec<&[T]> {
     tensors.iter().map(Vec::as_slice).collect()
 }
 
-/// A small deterministic generator (xorshift), the same on every rank.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
+/// A deterministic value in [-1, 1) for each `i`, the same on every rank.
+fn pseudo(i: u64) -> f32 {
+    let h = i
+        .wrapping_add(1)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(29);
+    (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
 }
 
 struct Sample {
@@ -179,12 +176,13 @@ fn gradients<'a>(
 fn regression(comm: &Communicator) -> Result<(), String> {
     let rank = comm.rank();
     let err = |e: ccl::Error| e.to_string();
-    let mut rng = Rng(7);
-    let truth: Vec<f32> = (0..DIM).map(|_| rng.next()).collect();
+    let mut draws = 0u64..;
+    let mut next = || pseudo(draws.next().unwrap_or_default());
+    let truth: Vec<f32> = (0..DIM).map(|_| next()).collect();
     let samples: Vec<Sample> = (0..SAMPLES)
         .map(|_| {
-            let x: [f32; DIM] = std::array::from_fn(|_| rng.next());
-            let y = x.iter().zip(&truth).map(|(x, t)| x * t).sum::<f32>() + 0.5 + 0.01 * rng.next();
+            let x: [f32; DIM] = std::array::from_fn(|_| next());
+            let y = x.iter().zip(&truth).map(|(x, t)| x * t).sum::<f32>() + 0.5 + 0.01 * next();
             Sample { x, y }
         })
         .collect();
