@@ -18,7 +18,13 @@ import hashlib
 import numpy as np
 
 import ccl
-from ccl.train import DistributedDataContainer, average_gradients, local_rank, synchronize
+from ccl.train import (
+    DistributedDataContainer,
+    average_gradients,
+    local_rank,
+    synchronize,
+    total_workers,
+)
 
 
 def main() -> None:
@@ -56,7 +62,7 @@ def main() -> None:
             print(f"epoch {epoch} loss {loss[0]:.6f}", flush=True)
 
     digest = hashlib.sha256(w.tobytes()).hexdigest()[:16]
-    print(f"rank {comm.rank} of {comm.world_size} (local rank {local_rank()}) weights {digest}", flush=True)
+    print(f"rank {local_rank(comm)} of {total_workers(comm)} (rank {comm.host_rank} on its host) weights {digest}", flush=True)
 
 
 if __name__ == "__main__":
