@@ -93,7 +93,7 @@ const MAX_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 /// new one (the failed request is not retried).
 ///
 /// Torch's store does not authenticate its clients: anyone who reaches the
-/// port can read and write keys. `CCL_JOB_SECRET` still guards ccl's links.
+/// port can read and write keys. `CCL_JOB_SECRET` still guards ccl's TCP links.
 #[derive(Debug)]
 pub struct TorchTcpStore {
     conn: Mutex<Option<TcpStream>>,
