@@ -176,9 +176,18 @@ fn mpirun_runs_the_example_with_no_variables_of_ccls_own() {
     if !have_mpirun() {
         return;
     }
-    // A temp dir of the test's own, to see that the job's directory goes.
-    let tmp = std::env::temp_dir().join(format!("ccl-launchers-test-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
+    // A temp dir of the test's own, to see that the job's directory goes;
+    // removed when the test ends, passed or failed.
+    struct TempDir(std::path::PathBuf);
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let tmp =
+        TempDir(std::env::temp_dir().join(format!("ccl-launchers-test-{}", std::process::id())));
+    let tmp = &tmp.0;
+    std::fs::create_dir_all(tmp).unwrap();
     for n in [2, 3, 4] {
         let mut cmd = Command::new("mpirun");
         cmd.args(["-n", &n.to_string(), "--oversubscribe"]);
@@ -186,7 +195,7 @@ fn mpirun_runs_the_example_with_no_variables_of_ccls_own() {
             cmd.arg("--allow-run-as-root");
         }
         cmd.args(["--bind-to", "none", EXAMPLE])
-            .env("TMPDIR", &tmp)
+            .env("TMPDIR", tmp)
             .env("CCL_DEBUG", "info")
             .env("CCL_TIMEOUT", "60s");
         for k in INHERITED {
@@ -203,7 +212,7 @@ fn mpirun_runs_the_example_with_no_variables_of_ccls_own() {
             "{dir}"
         );
         assert!(stores.iter().all(|s| *s == dir), "{stores:?}");
-        let left: Vec<_> = std::fs::read_dir(&tmp)
+        let left: Vec<_> = std::fs::read_dir(tmp)
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
             .filter(|f| f.starts_with("ccl-"))
@@ -214,5 +223,4 @@ fn mpirun_runs_the_example_with_no_variables_of_ccls_own() {
             tmp.display()
         );
     }
-    let _ = std::fs::remove_dir_all(&tmp);
 }
