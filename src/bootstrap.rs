@@ -11,15 +11,19 @@ use std::{
 };
 
 use ccl_core::{Error, JobSecret, PeerInfo, Result, Spin, Store};
-use ccl_rendezvous::{Config, FileStore, HashStore, Rendezvous, TcpStore};
+use ccl_rendezvous::{
+    Config, FileStore, HashStore, PrefixStore, Rendezvous, TcpStore, TorchTcpStore,
+};
 
 /// The store where the ranks of `config`'s job meet: for a TCP store at
 /// `MASTER_ADDR:MASTER_PORT`, rank 0 serves it and the others connect, or,
 /// with `CCL_STORE_EXTERNAL=1`, every rank connects to a store that someone
-/// else serves (one that outlives jobs, say). Waits at most `timeout`.
+/// else serves (one that outlives jobs, say). Under torchrun's agent store
+/// every rank connects to torch's store, and ccl's keys lie under the run's
+/// prefix. Waits at most `timeout`.
 pub fn rendezvous_store(config: &Config, timeout: Duration) -> Result<Arc<dyn Store>> {
     let secret = config.job_secret.as_ref();
-    Ok(match &config.rendezvous {
+    let store: Arc<dyn Store> = match &config.rendezvous {
         Rendezvous::Tcp {
             host,
             port,
@@ -30,9 +34,20 @@ pub fn rendezvous_store(config: &Config, timeout: Duration) -> Result<Arc<dyn St
         Rendezvous::Tcp { host, port, .. } => {
             Arc::new(TcpStore::connect_with_secret(host, *port, timeout, secret)?)
         }
+        Rendezvous::TorchAgent { host, port, prefix } => Arc::new(PrefixStore::new(
+            Arc::new(TorchTcpStore::connect(host, *port, timeout)?),
+            prefix.clone(),
+        )),
         Rendezvous::File(dir) => Arc::new(FileStore::new(dir)?),
+        Rendezvous::JobDir(dir) => Arc::new(FileStore::for_job(dir)?),
         Rendezvous::Local => Arc::new(HashStore::new()),
-    })
+    };
+    tracing::info!(
+        rank = config.rank,
+        "rendezvous through {}",
+        store.describe()
+    );
+    Ok(store)
 }
 
 /// The key prefix of the communicator `rank` builds now from `store`: each

@@ -41,7 +41,7 @@ pub use ccl_core::{
 };
 pub use ccl_rendezvous::{
     config, free_port, Config, FileStore, HashStore, Launcher, PrefixStore, Rendezvous, TcpStore,
-    TcpStoreServer,
+    TcpStoreServer, TorchTcpStore,
 };
 pub use communicator::Communicator;
 pub use options::Options;

@@ -29,8 +29,9 @@ n x the per-rank part.
 
 Without a launcher ccl-bench starts --ranks local processes of itself
 (torchrun-style variables, a free MASTER_PORT). Under ccl-run, mpirun, srun or
-torchrun (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_* with MASTER_ADDR
-and MASTER_PORT or CCL_STORE_PATH) each process joins as one rank.
+torchrun (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*, SLURM_*) each process joins
+as one rank; mpirun on several hosts and PMI also need MASTER_ADDR and
+MASTER_PORT (or CCL_STORE_PATH).
 
 Exit status: 0 on success, 1 if a run failed (a rank died, a call failed or
 timed out, --check found wrong results), 2 for bad arguments.";

@@ -4,9 +4,14 @@
 //! torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`), OpenMPI
 //! (`OMPI_COMM_WORLD_RANK`, `..._SIZE`, `..._LOCAL_RANK`, `..._LOCAL_SIZE`),
 //! PMI (`PMI_RANK`, `PMI_SIZE`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`,
-//! `SLURM_LOCALID`). The rendezvous is `MASTER_ADDR`/`MASTER_PORT` (TCP store
-//! served by rank 0) or `CCL_STORE_PATH` (file store directory). `CCL_*`
-//! variables set ccl's own knobs.
+//! `SLURM_LOCALID`). The rendezvous is `CCL_STORE_PATH` (file store
+//! directory), or `MASTER_ADDR`/`MASTER_PORT` (TCP store served by rank 0,
+//! or torch's store that torchrun's agent serves when it sets
+//! `TORCHELASTIC_USE_AGENT_STORE=True`), or else what the launcher implies:
+//! under `mpirun` and `srun` with every rank on one host, a file store in a
+//! directory of the job's own under the temp dir; under `srun` on several
+//! hosts, a TCP store served by rank 0 on the first host of the node list.
+//! `CCL_*` variables set ccl's own knobs.
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -39,8 +44,20 @@ pub enum Rendezvous {
         port: u16,
         external: bool,
     },
+    /// torch's `TCPStore` at this address, served by torchrun's elastic
+    /// agent (`TORCHELASTIC_USE_AGENT_STORE=True`): every rank connects, and
+    /// ccl's keys lie under `prefix`, which names the run and its restart.
+    TorchAgent {
+        host: String,
+        port: u16,
+        prefix: String,
+    },
     /// File store in this directory.
     File(PathBuf),
+    /// File store in a directory of this job's own under the temp dir,
+    /// named by the launcher's job id (every rank on one host under `mpirun`
+    /// or `srun`); the last rank to leave removes it.
+    JobDir(PathBuf),
     /// World size 1 with nothing configured: no store needed.
     Local,
 }
@@ -188,23 +205,36 @@ impl Config {
             Rendezvous::File(PathBuf::from(path))
         } else {
             match (var("MASTER_ADDR"), var("MASTER_PORT")) {
-                (Some(host), Some(port)) => Rendezvous::Tcp {
-                    host,
-                    port: port
-                        .trim()
-                        .parse()
-                        .map_err(|_| Error::Config(format!("MASTER_PORT={port:?} is not a port number")))?,
-                    external: flag(var("CCL_STORE_EXTERNAL"), "CCL_STORE_EXTERNAL", false)?,
-                },
+                (Some(host), Some(port)) => {
+                    let port = port.trim().parse().map_err(|_| {
+                        Error::Config(format!("MASTER_PORT={port:?} is not a port number"))
+                    })?;
+                    let external = flag(var("CCL_STORE_EXTERNAL"), "CCL_STORE_EXTERNAL", false)?;
+                    if torch_agent_store(var("TORCHELASTIC_USE_AGENT_STORE"))? {
+                        let run = var("TORCHELASTIC_RUN_ID").unwrap_or_else(|| "none".into());
+                        let restart =
+                            var("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into());
+                        Rendezvous::TorchAgent {
+                            host,
+                            port,
+                            prefix: format!("ccl/{run}/restart-{restart}"),
+                        }
+                    } else {
+                        Rendezvous::Tcp {
+                            host,
+                            port,
+                            external,
+                        }
+                    }
+                }
                 _ if world_size == 1 => Rendezvous::Local,
-                (None, _) => {
+                (Some(_), None) => {
                     return Err(Error::Config(format!(
-                        "rank {rank} of {world_size}: set MASTER_ADDR and MASTER_PORT (or CCL_STORE_PATH) for the rendezvous"
+                        "rank {rank} of {world_size}: MASTER_ADDR is set but MASTER_PORT is not"
                     )))
                 }
-                (Some(_), None) => {
-                    return Err(Error::Config(format!("rank {rank} of {world_size}: MASTER_ADDR is set but MASTER_PORT is not")))
-                }
+                (None, _) => launcher_rendezvous(launcher, &var, world_size)
+                    .map_err(|e| Error::Config(format!("rank {rank} of {world_size}: {e}")))?,
             }
         };
         let timeout = match var("CCL_TIMEOUT") {
@@ -280,6 +310,158 @@ impl Config {
     pub fn knob_flag(&self, name: &str, default: bool) -> Result<bool> {
         flag(self.knob(name).map(str::to_string), name, default)
     }
+}
+
+/// Whether torchrun's agent serves the store (`TORCHELASTIC_USE_AGENT_STORE`,
+/// which torch sets to `True` or `False`).
+fn torch_agent_store(value: Option<String>) -> Result<bool> {
+    match value.as_deref().map(str::trim) {
+        None | Some("" | "False" | "false" | "0") => Ok(false),
+        Some("True" | "true" | "1") => Ok(true),
+        Some(v) => Err(Error::Config(format!(
+            "TORCHELASTIC_USE_AGENT_STORE={v:?}: expected True or False"
+        ))),
+    }
+}
+
+/// Lowest port of a Slurm job's TCP store on several hosts
+/// ([`slurm_port`]); the ports span 10,000 from here.
+const SLURM_PORTS: u16 = 15000;
+
+/// The rendezvous that `launcher` implies when neither `CCL_STORE_PATH` nor
+/// `MASTER_ADDR`/`MASTER_PORT` is set: for OpenMPI and Slurm with every
+/// rank on one host, a file store in the job's own directory under the
+/// temp dir (`TMPDIR`, else `/tmp`); for Slurm on several hosts, a TCP store
+/// that rank 0 serves on the first host of the node list at [`slurm_port`].
+/// Errors say what to set instead.
+fn launcher_rendezvous(
+    launcher: Launcher,
+    var: &impl Fn(&str) -> Option<String>,
+    world_size: usize,
+) -> std::result::Result<Rendezvous, String> {
+    let temp_dir = || {
+        PathBuf::from(
+            var("TMPDIR")
+                .filter(|t| !t.is_empty())
+                .unwrap_or_else(|| "/tmp".into()),
+        )
+    };
+    let set_instead = "set MASTER_ADDR (the host of rank 0) and MASTER_PORT, or CCL_STORE_PATH (a directory every host shares)";
+    match launcher {
+        Launcher::OpenMpi => {
+            let local = var("OMPI_COMM_WORLD_LOCAL_SIZE");
+            if local.as_deref().map(str::trim) != Some(world_size.to_string().as_str()) {
+                return Err(format!(
+                    "mpirun started the ranks on several hosts (OMPI_COMM_WORLD_LOCAL_SIZE={}, \
+                     OMPI_COMM_WORLD_SIZE={world_size}): {set_instead}",
+                    local.as_deref().unwrap_or("unset")
+                ));
+            }
+            let job = var("PMIX_NAMESPACE")
+                .or_else(|| var("OMPI_MCA_ess_base_jobid"))
+                .filter(|j| !j.trim().is_empty())
+                .ok_or_else(|| {
+                    format!("mpirun set neither PMIX_NAMESPACE nor OMPI_MCA_ess_base_jobid: {set_instead}")
+                })?;
+            Ok(Rendezvous::JobDir(
+                temp_dir().join(format!("ccl-openmpi-{}", file_safe(&job))),
+            ))
+        }
+        Launcher::Slurm => {
+            let number = |name: &str| -> std::result::Result<Option<u64>, String> {
+                var(name)
+                    .map(|v| {
+                        v.trim()
+                            .parse()
+                            .map_err(|_| format!("{name}={v:?} is not a number"))
+                    })
+                    .transpose()
+            };
+            let job = number("SLURM_JOB_ID")?
+                .ok_or_else(|| format!("SLURM_JOB_ID is not set: {set_instead}"))?;
+            let step = number("SLURM_STEP_ID")?.unwrap_or(0);
+            let nodes = match number("SLURM_STEP_NUM_NODES")? {
+                Some(n) => Some(n),
+                None => match number("SLURM_NNODES")? {
+                    Some(n) => Some(n),
+                    None => number("SLURM_JOB_NUM_NODES")?,
+                },
+            };
+            if nodes == Some(1) {
+                return Ok(Rendezvous::JobDir(
+                    temp_dir().join(format!("ccl-slurm-{job}.{step}")),
+                ));
+            }
+            let (name, list) = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"]
+                .into_iter()
+                .find_map(|name| Some((name, var(name)?)))
+                .ok_or_else(|| {
+                    format!("Slurm set no SLURM_STEP_NODELIST or SLURM_JOB_NODELIST: {set_instead}")
+                })?;
+            let host = first_host(&list).ok_or_else(|| {
+                format!("{name}={list:?} is not a Slurm host list: {set_instead}")
+            })?;
+            Ok(Rendezvous::Tcp {
+                host,
+                port: slurm_port(job, step),
+                external: false,
+            })
+        }
+        _ => Err("set MASTER_ADDR and MASTER_PORT (or CCL_STORE_PATH) for the rendezvous".into()),
+    }
+}
+
+/// The port of a Slurm job's TCP store on several hosts: 15000 + 10 × (job
+/// id mod 1000) + (step id mod 10), so that steps of one job, and most jobs
+/// sharing a first host, differ.
+fn slurm_port(job: u64, step: u64) -> u16 {
+    SLURM_PORTS + 10 * (job % 1000) as u16 + (step % 10) as u16
+}
+
+/// The first host of a Slurm host list: `gpu[07-09,12],cpu1` starts with
+/// `gpu07`; `rack[1-2]-n[3-4]` with `rack1-n3`. `None` if it is not one.
+fn first_host(list: &str) -> Option<String> {
+    let mut depth = 0i32;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ => {}
+            }
+            c == ',' && depth == 0
+        })
+        .map_or(list.len(), |(i, _)| i);
+    let mut rest = list[..end].trim();
+    let mut host = String::new();
+    while let Some(open) = rest.find('[') {
+        let close = open + rest[open..].find(']')?;
+        let first = rest[open + 1..close].split(',').next()?.split('-').next()?;
+        if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        host.push_str(&rest[..open]);
+        host.push_str(first);
+        rest = &rest[close + 1..];
+    }
+    host.push_str(rest);
+    (!host.is_empty() && !host.contains([']', ',', ' '])).then_some(host)
+}
+
+/// `name` with every byte but ASCII letters, digits, `.`, `_` and `-`
+/// replaced by `_`, for a directory name.
+fn file_safe(name: &str) -> String {
+    name.trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// A 0/1 switch read from the environment variable `name` (`value`);
@@ -384,6 +566,201 @@ mod tests {
         let c = cfg(&[("CCL_TRANSPORT", "auto")]).unwrap();
         assert!(!c.debug_checks && c.knob_flag("CCL_SHM_CMA", true).unwrap());
         assert_eq!(c.transport, None);
+    }
+
+    #[test]
+    fn torchruns_agent_store() {
+        let torchrun = |extra: &[(&'static str, &'static str)]| {
+            let mut vars = vec![
+                ("RANK", "1"),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "h"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_RUN_ID", "job7"),
+                ("TORCHELASTIC_RESTART_COUNT", "2"),
+            ];
+            vars.extend_from_slice(extra);
+            cfg(&vars)
+        };
+        for on in ["True", "1"] {
+            let c = torchrun(&[("TORCHELASTIC_USE_AGENT_STORE", on)]).unwrap();
+            assert_eq!(
+                c.rendezvous,
+                Rendezvous::TorchAgent {
+                    host: "h".into(),
+                    port: 29500,
+                    prefix: "ccl/job7/restart-2".into()
+                }
+            );
+        }
+        for off in ["False", "0"] {
+            let c = torchrun(&[("TORCHELASTIC_USE_AGENT_STORE", off)]).unwrap();
+            assert!(matches!(c.rendezvous, Rendezvous::Tcp { .. }), "{off}");
+        }
+        assert!(matches!(
+            torchrun(&[("TORCHELASTIC_USE_AGENT_STORE", "yes")]),
+            Err(Error::Config(_))
+        ));
+        // A file store, when asked for, wins.
+        let c = torchrun(&[
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("CCL_STORE_PATH", "/shared"),
+        ])
+        .unwrap();
+        assert_eq!(c.rendezvous, Rendezvous::File("/shared".into()));
+    }
+
+    #[test]
+    fn mpirun_on_one_host_meets_in_a_directory_of_the_job() {
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "3"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "3"),
+            ("OMPI_MCA_ess_base_jobid", "1829109761"),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.rendezvous,
+            Rendezvous::JobDir("/tmp/ccl-openmpi-1829109761".into())
+        );
+        // OpenMPI 5 (PRRTE) names its job with the host and an `@`.
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMIX_NAMESPACE", "prterun-vm-4711@1"),
+            ("OMPI_MCA_ess_base_jobid", "1"),
+            ("TMPDIR", "/scratch"),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.rendezvous,
+            Rendezvous::JobDir("/scratch/ccl-openmpi-prterun-vm-4711_1".into())
+        );
+        // Explicit settings win.
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("PMIX_NAMESPACE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ])
+        .unwrap();
+        assert!(matches!(c.rendezvous, Rendezvous::Tcp { .. }));
+    }
+
+    #[test]
+    fn mpirun_on_several_hosts_says_what_to_set() {
+        for local in [Some("2"), None] {
+            let mut vars = vec![
+                ("OMPI_COMM_WORLD_RANK", "3"),
+                ("OMPI_COMM_WORLD_SIZE", "4"),
+                ("PMIX_NAMESPACE", "1"),
+            ];
+            vars.extend(local.map(|l| ("OMPI_COMM_WORLD_LOCAL_SIZE", l)));
+            let e = cfg(&vars).unwrap_err();
+            let Error::Config(m) = &e else { panic!("{e}") };
+            assert!(
+                m.starts_with("rank 3 of 4: mpirun started the ranks on several hosts"),
+                "{m}"
+            );
+            assert!(
+                m.contains("set MASTER_ADDR") && m.contains("CCL_STORE_PATH"),
+                "{m}"
+            );
+        }
+        let e = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("PMIX_NAMESPACE"), "{e}");
+    }
+
+    #[test]
+    fn srun_on_one_host_or_several() {
+        let srun = |extra: &[(&'static str, &'static str)]| {
+            let mut vars = vec![
+                ("SLURM_PROCID", "1"),
+                ("SLURM_NTASKS", "4"),
+                ("SLURM_JOB_ID", "4242"),
+                ("SLURM_STEP_ID", "3"),
+            ];
+            vars.extend_from_slice(extra);
+            cfg(&vars)
+        };
+        for nodes in [
+            "SLURM_STEP_NUM_NODES",
+            "SLURM_NNODES",
+            "SLURM_JOB_NUM_NODES",
+        ] {
+            let c = srun(&[(nodes, "1")]).unwrap();
+            assert_eq!(
+                c.rendezvous,
+                Rendezvous::JobDir("/tmp/ccl-slurm-4242.3".into())
+            );
+        }
+        let c = srun(&[
+            ("SLURM_NNODES", "3"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09,12],cpu1"),
+        ])
+        .unwrap();
+        let tcp = |host: &str, port| Rendezvous::Tcp {
+            host: host.into(),
+            port,
+            external: false,
+        };
+        assert_eq!(c.rendezvous, tcp("gpu07", 15000 + 2420 + 3));
+        // The step's nodes before the job's.
+        let c = srun(&[
+            ("SLURM_JOB_NUM_NODES", "4"),
+            ("SLURM_STEP_NUM_NODES", "2"),
+            ("SLURM_JOB_NODELIST", "n[1-4]"),
+            ("SLURM_STEP_NODELIST", "n[3-4]"),
+        ])
+        .unwrap();
+        assert_eq!(c.rendezvous, tcp("n3", 17423));
+        for bad in [
+            vec![("SLURM_NNODES", "2")],
+            vec![("SLURM_NNODES", "2"), ("SLURM_JOB_NODELIST", "n[1-")],
+            vec![("SLURM_NNODES", "two")],
+        ] {
+            let e = srun(&bad).unwrap_err();
+            assert!(
+                matches!(e, Error::Config(ref m) if m.starts_with("rank 1 of 4: ")),
+                "{e}"
+            );
+        }
+        let e = cfg(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_NNODES", "1"),
+        ])
+        .unwrap_err();
+        assert!(e.to_string().contains("SLURM_JOB_ID is not set"), "{e}");
+    }
+
+    #[test]
+    fn slurm_host_lists() {
+        for (list, first) in [
+            ("node1", Some("node1")),
+            ("node[1-3,5]", Some("node1")),
+            ("a[001-004]", Some("a001")),
+            ("x[3,1-2]", Some("x3")),
+            ("h1,h[2-3]", Some("h1")),
+            ("g[2-3],h[4-5]", Some("g2")),
+            ("rack[2-3]-n[05-06]", Some("rack2-n05")),
+            ("node-[10-11].cluster", Some("node-10.cluster")),
+            ("", None),
+            ("h[1-", None),
+            ("h[]", None),
+            ("h[a-b]", None),
+            ("h]", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list:?}");
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Harness for ccl's multi-process tests: launches N real processes of a
 //! worker binary with torchrun-style variables and collects what they did;
-//! and runs ranks as threads of the test process.
+//! runs ranks as threads of the test process; finds the real launchers
+//! (torchrun, mpirun) and runs them under a deadline.
 
 use std::{
     io::Read,
@@ -222,4 +223,155 @@ pub fn ccl_run(beside: &str) -> std::path::PathBuf {
         path.display()
     );
     path
+}
+
+/// True under CI (`CI=true` or `1`): there a missing launcher fails a test.
+pub fn is_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// For a test that cannot run here because `why`: fails it under CI, and
+/// elsewhere prints that it is skipped and why, returning `None`.
+pub fn unavailable<T>(why: &str) -> Option<T> {
+    assert!(
+        !is_ci(),
+        "{why}: under CI every launcher this test needs must be installed"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// The Python virtual environment with torch that `CCL_TEST_VENV` names
+/// (`bin/python` and `bin/torchrun` in it, and `torch.distributed`
+/// importable), or [`unavailable`].
+pub fn torch_venv() -> Option<std::path::PathBuf> {
+    let Some(venv) = std::env::var_os("CCL_TEST_VENV") else {
+        return unavailable("CCL_TEST_VENV (a Python virtual environment with torch) is not set");
+    };
+    let venv = std::path::PathBuf::from(venv);
+    for tool in ["python", "torchrun"] {
+        if !venv.join("bin").join(tool).is_file() {
+            return unavailable(&format!("{} has no bin/{tool}", venv.display()));
+        }
+    }
+    let import = Command::new(venv.join("bin/python"))
+        .args(["-c", "import torch.distributed"])
+        .output();
+    match import {
+        Ok(o) if o.status.success() => Some(venv),
+        Ok(o) => unavailable(&format!(
+            "{}/bin/python cannot import torch.distributed: {}",
+            venv.display(),
+            String::from_utf8_lossy(&o.stderr)
+        )),
+        Err(e) => unavailable(&format!("{}/bin/python: {e}", venv.display())),
+    }
+}
+
+/// True when this process runs as root (mpirun then needs `--allow-run-as-root`).
+pub fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Whether OpenMPI's `mpirun` is on `PATH`; [`unavailable`] if not.
+pub fn have_mpirun() -> bool {
+    match Command::new("mpirun").arg("--version").output() {
+        Ok(o) if o.status.success() => true,
+        _ => {
+            unavailable::<()>("mpirun (OpenMPI) is not on PATH");
+            false
+        }
+    }
+}
+
+/// What a command run by [`run_bounded`] did.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Exit code; `None` when killed (by the deadline, or a signal).
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub timed_out: bool,
+}
+
+impl Outcome {
+    /// Everything it printed.
+    pub fn text(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+}
+
+/// Runs `cmd` in a process group of its own to completion, or kills the
+/// whole group (a launcher and every rank it started) past `deadline`.
+pub fn run_bounded(mut cmd: Command, deadline: Duration) -> Outcome {
+    use std::os::unix::process::CommandExt;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let start = Instant::now();
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let group = nix::unistd::Pid::from_raw(child.id() as i32);
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let o = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let e = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let mut timed_out = false;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for the child") {
+            break s;
+        }
+        if start.elapsed() > deadline {
+            timed_out = true;
+            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            break child.wait().expect("wait for the killed child");
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    // Whatever the launcher left running in its group goes too, so that
+    // the pipes close.
+    let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+    Outcome {
+        code: status.code(),
+        stdout: o.join().unwrap_or_default(),
+        stderr: e.join().unwrap_or_default(),
+        timed_out,
+    }
+}
+
+/// Checks the output of `examples/data_parallel.rs` run as `n` ranks: every
+/// rank printed its loss lines ("rank r/n step s loss l"), all ranks the
+/// same ones, and the loss fell. Panics with `out` otherwise.
+pub fn assert_data_parallel_output(out: &str, n: usize) {
+    let mut losses: Vec<Vec<(usize, f64)>> = vec![Vec::new(); n];
+    for line in out.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if let ["rank", who, "step", step, "loss", loss] = words[..] {
+            let (rank, world) = who.split_once('/').expect("rank r/n");
+            assert_eq!(world, n.to_string(), "{line}\n{out}");
+            let rank: usize = rank.parse().unwrap();
+            losses[rank].push((step.parse().unwrap(), loss.parse().unwrap()));
+        }
+    }
+    assert!(losses[0].len() >= 7, "too few loss lines of rank 0:\n{out}");
+    for (r, l) in losses.iter().enumerate() {
+        assert_eq!(
+            l, &losses[0],
+            "rank {r} saw other losses than rank 0:\n{out}"
+        );
+    }
+    let (first, last) = (losses[0][0].1, losses[0].last().unwrap().1);
+    assert!(
+        last < first / 100.0,
+        "loss did not fall: {first} -> {last}\n{out}"
+    );
 }

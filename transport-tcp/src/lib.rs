@@ -73,7 +73,9 @@ impl TcpOptions {
     /// the local address of the route to the TCP store's host.
     pub fn from_config(config: &Config) -> Result<TcpOptions> {
         let local_ip = match &config.rendezvous {
-            Rendezvous::Tcp { host, port, .. } => route_to(host, *port),
+            Rendezvous::Tcp { host, port, .. } | Rendezvous::TorchAgent { host, port, .. } => {
+                route_to(host, *port)
+            }
             _ => None,
         };
         Ok(TcpOptions {

@@ -13,7 +13,10 @@ use std::{
     fs::{self, File, OpenOptions},
     io::{self, Write},
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
     thread,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -35,6 +38,13 @@ const MAX_NAME: usize = 200;
 /// First and longest pause between polls of `wait`.
 const FIRST_POLL: Duration = Duration::from_millis(1);
 const MAX_POLL: Duration = Duration::from_millis(20);
+
+/// The key that counts the processes using a [`FileStore::for_job`] directory.
+const USERS_KEY: &str = "ccl-job-dir-users";
+
+/// The [`FileStore::for_job`] directories this process counts itself in;
+/// it leaves them when it exits.
+static JOINED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// A store kept as files in a directory.
 #[derive(Debug)]
@@ -89,6 +99,44 @@ impl FileStore {
             });
         }
         Ok(store)
+    }
+
+    /// A store in a directory of one job's own (created if missing), which
+    /// the last of the processes that opened it removes when it exits: for
+    /// the ranks of one host, meeting in the temp dir. The count is kept at
+    /// exit (`atexit`), not when the store is dropped, since a communicator's
+    /// threads may hold the store until the process ends. A process killed
+    /// by a signal leaves the directory behind.
+    pub fn for_job(dir: impl Into<PathBuf>) -> Result<FileStore> {
+        let store = FileStore::new(dir)?;
+        let mut joined = JOINED.lock().unwrap_or_else(|p| p.into_inner());
+        if !joined.contains(&store.dir) {
+            store.add(USERS_KEY, 1)?;
+            if joined.is_empty() {
+                static AT_EXIT: std::sync::Once = std::sync::Once::new();
+                // SAFETY: registers a function that takes nothing and
+                // returns nothing, as atexit expects.
+                AT_EXIT.call_once(|| unsafe {
+                    libc::atexit(leave_job_dirs);
+                });
+            }
+            joined.push(store.dir.clone());
+        }
+        Ok(store)
+    }
+
+    /// Counts this process out of a [`FileStore::for_job`] directory, and
+    /// removes the directory if it was the last.
+    fn leave(&self) -> Result<()> {
+        let _lock = self.lock()?;
+        let users = match self.read(USERS_KEY)? {
+            Some(v) => parse_counter(USERS_KEY, &v)?,
+            None => 0,
+        } - 1;
+        if users > 0 {
+            return self.write(USERS_KEY, users.to_string().as_bytes());
+        }
+        fs::remove_dir_all(&self.dir).map_err(|e| self.error("removing the job's directory", e))
     }
 
     fn path(&self, key: &str) -> PathBuf {
@@ -169,6 +217,16 @@ impl FileStore {
     /// The directory the store lives in.
     fn dir(&self) -> &Path {
         &self.dir
+    }
+}
+
+/// Leaves every job directory this process joined (run at exit).
+extern "C" fn leave_job_dirs() {
+    let dirs = std::mem::take(&mut *JOINED.lock().unwrap_or_else(|p| p.into_inner()));
+    for dir in dirs {
+        if let Err(e) = (FileStore { dir }).leave() {
+            tracing::warn!("{e}");
+        }
     }
 }
 
@@ -362,6 +420,82 @@ mod tests {
             "{:?}",
             start.elapsed()
         );
+    }
+
+    const JOB_CHILD_ENV: &str = "CCL_FILE_STORE_TEST_JOB_DIR";
+
+    /// Run by `the_last_process_to_exit_removes_a_job_directory` in child
+    /// processes: joins the job directory, counts itself in, waits until
+    /// `CCL_FILE_STORE_TEST_JOB_SIZE` processes did and for the key `exit`,
+    /// then exits; a no-op otherwise.
+    #[test]
+    fn job_dir_child() {
+        let Ok(dir) = std::env::var(JOB_CHILD_ENV) else {
+            return;
+        };
+        let size: i64 = std::env::var("CCL_FILE_STORE_TEST_JOB_SIZE")
+            .unwrap()
+            .parse()
+            .unwrap();
+        let s = FileStore::for_job(&dir).unwrap();
+        // Joining twice counts once.
+        drop(FileStore::for_job(&dir).unwrap());
+        let me = s.add("ranks", 1).unwrap();
+        s.set(&format!("rank/{me}"), b"").unwrap();
+        let all: Vec<String> = (1..=size).map(|r| format!("rank/{r}")).collect();
+        s.wait(&all.iter().map(String::as_str).collect::<Vec<_>>(), T)
+            .unwrap();
+        s.wait(&["exit"], T).unwrap();
+        // Held by another thread at exit, as a communicator's threads do.
+        let held = Arc::new(s);
+        thread::spawn(move || {
+            let _held = held;
+            thread::sleep(Duration::from_secs(60));
+        });
+    }
+
+    fn job_dir_children(dir: &Path, n: usize) -> Vec<std::process::Child> {
+        (0..n)
+            .map(|_| {
+                Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", "store::file::tests::job_dir_child", "-q"])
+                    .env(JOB_CHILD_ENV, dir)
+                    .env("CCL_FILE_STORE_TEST_JOB_SIZE", n.to_string())
+                    .stdout(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_last_process_to_exit_removes_a_job_directory() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("ccl-openmpi-7");
+        FileStore::new(&dir).unwrap().set("exit", b"").unwrap();
+        for mut c in job_dir_children(&dir, 3) {
+            assert!(c.wait().unwrap().success());
+        }
+        assert!(!dir.exists(), "{} is left", dir.display());
+        // One process killed: the directory stays.
+        let mut children = job_dir_children(&dir, 2);
+        let deadline = Instant::now() + T;
+        while FileStore::new(&dir)
+            .unwrap()
+            .try_get("rank/2")
+            .unwrap()
+            .is_none()
+        {
+            assert!(Instant::now() < deadline, "the children never met");
+            thread::sleep(Duration::from_millis(5));
+        }
+        children[0].kill().unwrap();
+        FileStore::new(&dir).unwrap().set("exit", b"").unwrap();
+        for mut c in children {
+            let _ = c.wait().unwrap();
+        }
+        let users = FileStore::new(&dir).unwrap().add(USERS_KEY, 0).unwrap();
+        assert_eq!(users, 1);
     }
 
     const CHILD_ENV: &str = "CCL_FILE_STORE_TEST_CHILD_DIR";

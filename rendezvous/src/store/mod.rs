@@ -1,6 +1,8 @@
 //! Rendezvous stores: a small key-value service the ranks of a job share.
 //!
 //! [`TcpStore`] is served by rank 0 (or a standalone process) over TCP;
+//! [`TorchTcpStore`] is a client of PyTorch's `TCPStore` server (torchrun's
+//! agent serves one);
 //! [`FileStore`] keeps keys as files in a directory on a shared filesystem;
 //! [`HashStore`] lives in one process's memory (ranks as threads);
 //! [`PrefixStore`] scopes keys for sub-communicators.
@@ -8,6 +10,7 @@
 mod file;
 mod hash;
 mod tcp;
+mod torch;
 
 use std::{sync::Arc, time::Duration};
 
@@ -16,6 +19,7 @@ pub use hash::HashStore;
 #[doc(hidden)]
 pub use tcp::fuzz as tcp_fuzz;
 pub use tcp::{TcpStore, TcpStoreServer};
+pub use torch::TorchTcpStore;
 
 pub use ccl_core::Store;
 

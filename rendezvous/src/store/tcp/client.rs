@@ -37,7 +37,7 @@ const MIN_ATTEMPT: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
 
 /// `[v6]` for IPv6 literals, for `host:port` strings.
-fn bracketed(host: &str) -> String {
+pub(crate) fn bracketed(host: &str) -> String {
     if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]")
     } else {
@@ -45,7 +45,8 @@ fn bracketed(host: &str) -> String {
     }
 }
 
-fn unbracketed(host: &str) -> &str {
+/// `host` without the brackets of an IPv6 literal.
+pub(crate) fn unbracketed(host: &str) -> &str {
     host.strip_prefix('[')
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host)

@@ -37,6 +37,7 @@ use std::{
 };
 
 pub use client::TcpStore;
+pub(crate) use client::{bracketed, unbracketed};
 pub use server::TcpStoreServer;
 pub use wire::fuzz;
 
