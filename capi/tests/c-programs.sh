@@ -69,6 +69,23 @@ mpi_flags=(--oversubscribe --bind-to none -x CCL_SOCKET_IFNAME --mca pml ob1 --m
 [ "$(id -u)" = 0 ] && mpi_flags+=(--allow-run-as-root)
 timeout --kill-after=10 120 mpirun "${mpi_flags[@]}" -n 4 ./mpi_unique_id
 
+step "every collective under mpirun and torchrun, no rendezvous variables given"
+for n in 2 4; do
+  timeout --kill-after=10 120 mpirun "${mpi_flags[@]}" -n "$n" ./allreduce
+done
+# torchrun's agent serves the store; ccl joins it as a client.
+torchrun="${CCL_TEST_VENV:-}/bin/torchrun"
+if [ -x "$torchrun" ]; then
+  for n in 2 4; do
+    timeout --kill-after=10 120 "$torchrun" --nproc-per-node "$n" --no-python ./allreduce
+  done
+elif [ -n "${CI:-}" ]; then
+  echo "torchrun is missing: set CCL_TEST_VENV to a venv with torch (scripts/test does)" >&2
+  exit 1
+else
+  echo "(skipped: no torchrun; set CCL_TEST_VENV to a venv with torch)"
+fi
+
 step "misuse of every entry point, under valgrind"
 timeout --kill-after=10 300 valgrind -q --error-exitcode=3 --leak-check=no ./bad_input
 
