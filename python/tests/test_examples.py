@@ -90,3 +90,14 @@ def test_numpy_example_under_mpirun(n):
     out = launch([*mpirun(), "-n", str(n), sys.executable, str(EXAMPLES / "train_numpy.py")])
     assert len(digests(out, n)) == 1, out
     assert losses(out)[-1] < 1e-3, out
+
+
+def test_readme_python_block_runs(ranks, tmp_path):
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### From Python") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "readme_block.py"
+    script.write_text(block + "\nassert x[0] == sum(range(comm.world_size)), x[:4]  # summed, then averaged\nprint('ok')\n")
+    result = ranks(str(script), 2, timeout=60)
+    for r in result:
+        assert r.returncode == 0 and "ok" in r.out, r.out + r.err
