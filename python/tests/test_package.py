@@ -22,7 +22,7 @@ def test_bad_inputs_raise_clear_errors(ranks):
             assert all(line.startswith("ok") for line in lines), r.out
 
 
-def test_a_dead_peer_fails_the_others_within_the_timeout(ranks):
+def test_a_peer_dying_mid_collective_fails_the_others_within_the_timeout(ranks):
     result = ranks("peer_loss_worker.py", 3, timeout=60)
     assert result[1].returncode == 3
     for r in (result[0], result[2]):
