@@ -13,6 +13,7 @@ must be contiguous, and outputs writable. `import ccl.torch` registers the
 torch.distributed backend "cclrs"; `ccl.train` has training helpers.
 """
 
+import atexit
 from typing import Optional
 
 from ._ccl import (
@@ -26,7 +27,11 @@ from ._ccl import (
     UnsupportedError,
     Work,
     __version__,
+    _at_exit,
 )
+
+# Before the interpreter exits, ccl's threads stop calling into it.
+atexit.register(_at_exit)
 
 
 

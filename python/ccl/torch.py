@@ -87,7 +87,9 @@ class _Completer:
         self._queue.put(work)
 
     def stop(self) -> None:
+        """Ends the thread once the works before it are settled."""
         self._queue.put(None)
+        self._thread.join(timeout=60)
 
     def _run(self) -> None:
         while True:

@@ -5,6 +5,7 @@
 
 mod comm;
 mod dlpack;
+mod interpreter;
 mod store;
 mod work;
 
@@ -66,6 +67,7 @@ fn _ccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<comm::Communicator>()?;
     m.add_class::<work::Work>()?;
+    m.add_function(wrap_pyfunction!(interpreter::_at_exit, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
     m.add("PeerLostError", py.get_type::<PeerLostError>())?;

@@ -6,6 +6,8 @@
 use std::time::{Duration, Instant};
 
 use ccl::{Error, Result, Store};
+
+use crate::interpreter;
 use pyo3::{
     prelude::*,
     types::{PyBytes, PyTuple},
@@ -36,13 +38,17 @@ impl PyStore {
         args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, PyTuple>>,
         out: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
     ) -> Result<T> {
-        Python::attach(|py| {
+        let error = |msg: String| Error::Store {
+            addr: self.name.clone(),
+            msg: format!("{method}: {msg}"),
+        };
+        interpreter::attach(|py| {
             let result = args(py).and_then(|a| self.store.bind(py).call_method1(method, a));
-            result.and_then(|r| out(&r)).map_err(|e| Error::Store {
-                addr: self.name.clone(),
-                msg: format!("{method}: {e}"),
-            })
+            result
+                .and_then(|r| out(&r))
+                .map_err(|e| error(e.to_string()))
         })
+        .unwrap_or_else(|| Err(error("the Python interpreter is exiting".into())))
     }
 }
 

@@ -146,7 +146,9 @@ impl Drop for Work {
             // a thread waits for it before letting the arrays go.
             std::thread::spawn(move || {
                 let _ = work.wait();
-                Python::attach(|_| drop(keep));
+                // Without the GIL: PyO3 queues the release for the next
+                // thread that holds it (this thread never enters Python).
+                drop(keep);
             });
         }
     }
