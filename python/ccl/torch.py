@@ -11,8 +11,10 @@ own ccl communicator, which meets its peers through the store torch hands
 over. CPU tensors only, until ccl's GPU support lands.
 """
 
+import atexit
 import queue
 import threading
+import weakref
 from datetime import timedelta
 from typing import Callable, List, Optional
 
@@ -76,12 +78,19 @@ def _one(tensors: List[torch.Tensor], what: str) -> torch.Tensor:
 
 class _Completer:
     """A thread that completes the futures of a backend's works in call
-    order, so that DDP's callbacks run as soon as a bucket is reduced."""
+    order, so that DDP's callbacks run as soon as a bucket is reduced.
+
+    It is joined at shutdown and at interpreter exit: a thread still inside
+    a future's C++ callbacks when the interpreter exits is ended by CPython
+    in a way that aborts the process."""
+
+    running: "weakref.WeakSet[_Completer]" = weakref.WeakSet()
 
     def __init__(self):
         self._queue: "queue.SimpleQueue[Optional[Work]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="cclrs-completer", daemon=True)
         self._thread.start()
+        _Completer.running.add(self)
 
     def add(self, work: "Work") -> None:
         self._queue.put(work)
@@ -378,6 +387,12 @@ class CclBackend(_C10dBackend):
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> CclBackend:
     return CclBackend(store, rank, size, timeout)
+
+
+@atexit.register
+def _stop_completers() -> None:
+    for completer in list(_Completer.running):
+        completer.stop()
 
 
 def _register() -> None:
