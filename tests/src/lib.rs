@@ -115,18 +115,9 @@ pub fn launch_each<'a>(
             let mut child = cmd
                 .spawn()
                 .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-            let mut out = child.stdout.take().unwrap();
-            let mut err = child.stderr.take().unwrap();
-            let o = thread::spawn(move || {
-                let mut s = String::new();
-                let _ = out.read_to_string(&mut s);
-                s
-            });
-            let e = thread::spawn(move || {
-                let mut s = String::new();
-                let _ = err.read_to_string(&mut s);
-                s
-            });
+            let out = child.stdout.take().unwrap();
+            let err = child.stderr.take().unwrap();
+            let (o, e) = (drain(out), drain(err));
             (child, o, e)
         })
         .collect();
@@ -302,6 +293,15 @@ impl Outcome {
     }
 }
 
+/// Reads `pipe` to its end on a thread of its own.
+fn drain(mut pipe: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut s = String::new();
+        let _ = pipe.read_to_string(&mut s);
+        s
+    })
+}
+
 /// Runs `cmd` in a process group of its own to completion, or kills the
 /// whole group (a launcher and every rank it started) past `deadline`.
 pub fn run_bounded(mut cmd: Command, deadline: Duration) -> Outcome {
@@ -313,18 +313,9 @@ pub fn run_bounded(mut cmd: Command, deadline: Duration) -> Outcome {
     let start = Instant::now();
     let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
     let group = nix::unistd::Pid::from_raw(child.id() as i32);
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let o = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let e = thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
+    let out = child.stdout.take().unwrap();
+    let err = child.stderr.take().unwrap();
+    let (o, e) = (drain(out), drain(err));
     let mut timed_out = false;
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait for the child") {
