@@ -1,0 +1,204 @@
+//! ccl-transport-quic: [`Link`](ccl_core::Link)s over QUIC (quinn, rustls).
+//!
+//! [`QuicTransport`] can connect any pair; it is used only when forced
+//! (`CCL_TRANSPORT=quic`): in `auto`, shared memory and TCP come first.
+//!
+//! Identity needs no CA: at start-up each rank makes a self-signed
+//! certificate (rcgen) and publishes `address fingerprint mac` in the store
+//! under `quic/{rank}`, where the fingerprint is the SHA-256 of the
+//! certificate and the MAC (with a job secret) is an HMAC of the fingerprint
+//! bound to the communicator id and the rank, so a rank of another job, or a
+//! fingerprint replayed from an earlier job, is refused. TLS is mutual: the
+//! dialling (higher) rank pins the fingerprint of the rank it dials, the
+//! accepting rank accepts only the fingerprints of the ranks that dial it,
+//! and a hello after TLS names communicator and ranks and is checked against
+//! the certificate presented. Refused connections are logged with their
+//! address and never reach a collective.
+//!
+//! Streams: see [`link`](crate::link) — each message goes on new
+//! unidirectional streams, one per 1 MiB piece, accepted in order.
+//!
+//! Endpoints and connections run on a runtime of their own (one thread per
+//! process), so that acknowledgements and keep-alives flow between calls;
+//! the links' futures may be polled from any runtime (the communicator's).
+
+mod identity;
+mod link;
+mod mesh;
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    sync::Arc,
+    time::Duration,
+};
+
+use ccl_core::{
+    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
+};
+use ccl_rendezvous::{net::route_to, Config, Rendezvous};
+use quinn::{congestion, IdleTimeout, TransportConfig, VarInt};
+
+pub use identity::{
+    decode_published, encode_published, fingerprint, fingerprint_mac, Identity, PinnedClients,
+    PinnedServer,
+};
+pub use link::{PIECE, SEND_WINDOW};
+
+/// The class of QUIC links: schedules pipeline in pieces of 1 MiB; the
+/// links need a runtime to make progress.
+pub const CLASS: LinkClass = LinkClass {
+    name: "quic",
+    piece_bytes: 1024 * 1024,
+    in_memory: false,
+};
+
+/// Congestion controller (`CCL_QUIC_CC`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CongestionControl {
+    Cubic,
+    NewReno,
+    Bbr,
+}
+
+impl std::str::FromStr for CongestionControl {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "cubic" => Ok(CongestionControl::Cubic),
+            "newreno" | "reno" => Ok(CongestionControl::NewReno),
+            "bbr" => Ok(CongestionControl::Bbr),
+            other => Err(format!(
+                "CCL_QUIC_CC={other}: expected cubic, newreno or bbr"
+            )),
+        }
+    }
+}
+
+/// How to build QUIC links.
+#[derive(Clone, Debug)]
+pub struct QuicOptions {
+    /// Address to bind the UDP endpoint to (the route to `MASTER_ADDR`, or
+    /// `127.0.0.1`).
+    pub local_ip: IpAddr,
+    /// Congestion controller.
+    pub cc: CongestionControl,
+}
+
+impl Default for QuicOptions {
+    fn default() -> QuicOptions {
+        QuicOptions {
+            local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            cc: CongestionControl::Cubic,
+        }
+    }
+}
+
+impl QuicOptions {
+    /// The options `CCL_QUIC_CC` sets, bound to the route to the store's host.
+    pub fn from_config(config: &Config) -> Result<QuicOptions> {
+        let local_ip = match &config.rendezvous {
+            Rendezvous::Tcp { host, port, .. } | Rendezvous::TorchAgent { host, port, .. } => {
+                route_to(host, *port)
+            }
+            _ => None,
+        };
+        let cc = match config.knob("CCL_QUIC_CC") {
+            Some(v) => v.parse().map_err(Error::Config)?,
+            None => QuicOptions::default().cc,
+        };
+        Ok(QuicOptions {
+            local_ip: local_ip.unwrap_or(QuicOptions::default().local_ip),
+            cc,
+        })
+    }
+}
+
+/// Transport parameters: windows large enough that a 256 MiB message on
+/// loopback is not bound by flow control, many uni streams, and an idle
+/// timeout of min(timeout, 10 s) with keep-alives at a third of it, so a
+/// vanished peer fails a call within seconds.
+pub(crate) fn transport_config(options: &QuicOptions, timeout: Duration) -> Arc<TransportConfig> {
+    let mut t = TransportConfig::default();
+    t.max_concurrent_uni_streams(VarInt::from_u32(1024))
+        .max_concurrent_bidi_streams(VarInt::from_u32(4))
+        .stream_receive_window(VarInt::from_u32(4 * 1024 * 1024))
+        .receive_window(VarInt::from_u32(64 * 1024 * 1024))
+        .send_window(64 * 1024 * 1024);
+    let idle = timeout
+        .min(Duration::from_secs(10))
+        .max(Duration::from_millis(300));
+    t.max_idle_timeout(IdleTimeout::try_from(idle).ok())
+        .keep_alive_interval(Some(idle / 3));
+    match options.cc {
+        CongestionControl::Cubic => {
+            t.congestion_controller_factory(Arc::new(congestion::CubicConfig::default()))
+        }
+        CongestionControl::NewReno => {
+            t.congestion_controller_factory(Arc::new(congestion::NewRenoConfig::default()))
+        }
+        CongestionControl::Bbr => {
+            t.congestion_controller_factory(Arc::new(congestion::BbrConfig::default()))
+        }
+    };
+    Arc::new(t)
+}
+
+/// QUIC links between any two ranks (see the crate docs).
+#[derive(Clone, Debug, Default)]
+pub struct QuicTransport {
+    options: QuicOptions,
+}
+
+impl QuicTransport {
+    pub fn new(options: QuicOptions) -> QuicTransport {
+        QuicTransport { options }
+    }
+
+    pub fn from_config(config: &Config) -> Result<QuicTransport> {
+        Ok(QuicTransport::new(QuicOptions::from_config(config)?))
+    }
+}
+
+impl Transport for QuicTransport {
+    fn name(&self) -> &'static str {
+        "quic"
+    }
+
+    fn class(&self) -> LinkClass {
+        CLASS
+    }
+
+    fn can_connect(&self, _: &PeerInfo, _: &PeerInfo) -> bool {
+        true
+    }
+
+    fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(mesh::listen_and_publish(setup, &self.options)?))
+    }
+}
+
+/// Connects `setup.rank` to every other rank (both phases at once): `None`
+/// at index `rank`, a link elsewhere. Call inside a tokio runtime.
+pub async fn connect_mesh(
+    setup: &Setup,
+    options: &QuicOptions,
+) -> Result<Vec<Option<Arc<dyn ccl_core::Link>>>> {
+    let listening = mesh::listen_and_publish(setup, options)?;
+    let peers: Vec<usize> = (0..setup.world_size).filter(|&p| p != setup.rank).collect();
+    let links = listening.connect(&peers).await?;
+    let mut all: Vec<Option<Arc<dyn ccl_core::Link>>> = vec![None; setup.world_size];
+    for (p, link) in peers.into_iter().zip(links) {
+        all[p] = Some(link);
+    }
+    Ok(all)
+}
+
+impl Connector for mesh::Listening {
+    fn connect<'a>(
+        self: Box<Self>,
+        peers: &'a [usize],
+        _: Spin,
+    ) -> LinkFuture<'a, Vec<PairResult>> {
+        Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })
+    }
+}

@@ -1,0 +1,328 @@
+//! The QUIC link to one peer: one connection, a unidirectional stream per
+//! piece of each message.
+//!
+//! A message of `len` payload bytes is cut into pieces of [`PIECE`] bytes;
+//! piece 0 goes on a new unidirectional stream after the 56-byte
+//! [`FrameHeader`], every further piece on a stream of its own. The sender
+//! opens the streams of a message in order and writes up to
+//! [`SEND_WINDOW`] of them at once, so that a lost packet delays only its
+//! stream. The receiver accepts streams in order: quinn's `accept_uni`
+//! yields the peer's streams in stream-id order (quinn-proto
+//! `Streams::accept` hands out `next_reported_remote` and increments it by
+//! one; a frame for a higher stream id opens all the lower ones), and a
+//! sender opens them in the order it calls `open_uni`. So the n-th accepted
+//! stream is the n-th opened one, and pieces land straight in the caller's
+//! buffer at their offset.
+//!
+//! A send returns once the peer has acknowledged every piece (quinn's
+//! `SendStream::stopped`), so a rank that finishes and exits never drops
+//! data its peer still has to read. An abort closes the connection with
+//! [`ABORT_CODE`] and the encoded [`AbortNotice`] as the reason, which the
+//! peer turns into [`Error::PeerLost`] naming the rank that failed first.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use ccl_core::{
+    frame::HEADER_LEN, AbortNotice, BufMut, BufRef, Error, FrameHeader, FrameKind, Link,
+    LinkFuture, Result,
+};
+use futures::{stream::FuturesUnordered, StreamExt};
+use quinn::{Connection, ConnectionError, Endpoint, ReadExactError, VarInt, WriteError};
+use tokio::sync::Mutex;
+
+/// Pieces of a message: each goes on its own unidirectional stream.
+pub const PIECE: usize = 1024 * 1024;
+/// Streams of one message a sender writes at once.
+pub const SEND_WINDOW: usize = 16;
+/// Streams of one message a receiver reads at once (at least `SEND_WINDOW`).
+const RECV_WINDOW: usize = 32;
+/// Application close code of an abort (the reason is the notice).
+pub const ABORT_CODE: u32 = 0xCC1A;
+/// Application close code of a link dropped at the end.
+pub const DONE_CODE: u32 = 0;
+/// Longest abort reason that fits a close frame.
+const MAX_REASON: usize = 900;
+/// How long a dropped link waits for the peer to close first.
+const LINGER: Duration = Duration::from_secs(2);
+
+pub(crate) struct QuicLink {
+    rank: usize,
+    peer: usize,
+    comm: u64,
+    conn: Connection,
+    endpoint: Endpoint,
+    runtime: tokio::runtime::Handle,
+    sending: Mutex<()>,
+    receiving: Mutex<()>,
+    aborted: AtomicBool,
+    /// Keeps the accepting task (strangers are logged) as long as a link lives.
+    _guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
+}
+
+impl QuicLink {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        rank: usize,
+        peer: usize,
+        comm: u64,
+        conn: Connection,
+        endpoint: Endpoint,
+        runtime: tokio::runtime::Handle,
+        guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
+    ) -> QuicLink {
+        QuicLink {
+            rank,
+            peer,
+            comm,
+            conn,
+            endpoint,
+            runtime,
+            sending: Mutex::new(()),
+            receiving: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+            _guard: guard,
+        }
+    }
+
+    /// The error for a connection that ended.
+    fn lost(&self, e: &ConnectionError) -> Error {
+        let cause = match e {
+            ConnectionError::ApplicationClosed(c)
+                if c.error_code == VarInt::from_u32(ABORT_CODE) =>
+            {
+                return match AbortNotice::decode(&c.reason) {
+                    Ok(n) => n.into_error(self.rank, self.peer),
+                    Err(m) => self.protocol(format!("malformed abort notice: {m}")),
+                }
+            }
+            ConnectionError::ApplicationClosed(_) => "connection closed".to_string(),
+            ConnectionError::TimedOut => "no packet from it within the idle timeout".to_string(),
+            ConnectionError::LocallyClosed => "this rank closed the link".to_string(),
+            other => other.to_string(),
+        };
+        let cause = if self.aborted.load(Ordering::Acquire) {
+            format!("{cause} (this rank aborted the link)")
+        } else {
+            cause
+        };
+        Error::PeerLost {
+            rank: self.rank,
+            peer: self.peer,
+            call: String::new(),
+            cause,
+        }
+    }
+
+    fn protocol(&self, msg: String) -> Error {
+        Error::Protocol {
+            rank: self.rank,
+            peer: self.peer,
+            call: String::new(),
+            msg,
+        }
+    }
+
+    fn write_error(&self, e: WriteError) -> Error {
+        match e {
+            WriteError::ConnectionLost(c) => self.lost(&c),
+            other => self.protocol(format!("writing a stream: {other}")),
+        }
+    }
+
+    fn read_error(&self, e: ReadExactError) -> Error {
+        match e {
+            ReadExactError::ReadError(quinn::ReadError::ConnectionLost(c)) => self.lost(&c),
+            ReadExactError::FinishedEarly(usize::MAX) => {
+                self.protocol("a stream carries more than its piece".into())
+            }
+            ReadExactError::FinishedEarly(n) => {
+                self.protocol(format!("stream ended after {n} bytes of a piece"))
+            }
+            ReadExactError::ReadError(other) => self.protocol(format!("reading a stream: {other}")),
+        }
+    }
+
+    /// The reason the connection ended, if it did (for errors that do not say).
+    fn closed_error(&self) -> Option<Error> {
+        self.conn.close_reason().map(|c| self.lost(&c))
+    }
+
+    async fn send_pieces<'a>(&'a self, header: FrameHeader, data: &'a [u8]) -> Result<()> {
+        if header.len != data.len() as u64 {
+            return Err(Error::Internal(format!(
+                "header says {} bytes, payload has {}",
+                header.len,
+                data.len()
+            )));
+        }
+        let _one = self.sending.lock().await;
+        let head = header.encode();
+        let mut pieces = data.chunks(PIECE);
+        let first = pieces.next().unwrap_or(&[]);
+        let mut writing = FuturesUnordered::new();
+        let piece = |s: quinn::SendStream, prefix: Option<[u8; HEADER_LEN]>, bytes: &'a [u8]| async move {
+            send_piece(s, prefix, bytes).await.map_err(|e| match e {
+                PieceError::Write(e) => self.write_error(e),
+                PieceError::Stopped(quinn::StoppedError::ConnectionLost(c)) => self.lost(&c),
+                PieceError::Stopped(e) => self.protocol(format!("stream stopped: {e}")),
+            })
+        };
+        let open = |s: std::result::Result<quinn::SendStream, ConnectionError>| {
+            s.map_err(|c| self.lost(&c))
+        };
+        writing.push(piece(open(self.conn.open_uni().await)?, Some(head), first));
+        for bytes in pieces {
+            while writing.len() >= SEND_WINDOW {
+                if let Some(r) = writing.next().await {
+                    r?;
+                }
+            }
+            writing.push(piece(open(self.conn.open_uni().await)?, None, bytes));
+        }
+        while let Some(r) = writing.next().await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn recv_pieces(&self, expect: FrameHeader, into: &mut [u8]) -> Result<()> {
+        if expect.len != into.len() as u64 {
+            return Err(Error::Internal(format!(
+                "expected header says {} bytes, the buffer has {}",
+                expect.len,
+                into.len()
+            )));
+        }
+        let _one = self.receiving.lock().await;
+        let accept = || async {
+            match self.conn.accept_uni().await {
+                Ok(s) => Ok(s),
+                Err(c) => Err(self.lost(&c)),
+            }
+        };
+        let mut first = accept().await?;
+        let mut head = [0u8; HEADER_LEN];
+        first
+            .read_exact(&mut head)
+            .await
+            .map_err(|e| self.read_error(e))?;
+        let got = FrameHeader::decode(&head).map_err(|m| self.protocol(m))?;
+        if got.kind == FrameKind::Abort {
+            return Err(self.protocol("abort frame on a data stream".into()));
+        }
+        expect.check_received(&got, self.rank, self.peer)?;
+        let mut pieces = into.chunks_mut(PIECE);
+        let mut reading = FuturesUnordered::new();
+        reading.push(read_piece(first, pieces.next().unwrap_or(&mut [])));
+        for buf in pieces {
+            while reading.len() >= RECV_WINDOW {
+                if let Some(r) = reading.next().await {
+                    r.map_err(|e| self.read_error(e))?;
+                }
+            }
+            let s = accept().await?;
+            reading.push(read_piece(s, buf));
+        }
+        while let Some(r) = reading.next().await {
+            r.map_err(|e| self.read_error(e))?;
+        }
+        Ok(())
+    }
+}
+
+enum PieceError {
+    Write(WriteError),
+    Stopped(quinn::StoppedError),
+}
+
+/// Writes one piece (after `prefix`) on its own stream and waits until the
+/// peer acknowledged all of it.
+async fn send_piece(
+    mut s: quinn::SendStream,
+    prefix: Option<[u8; HEADER_LEN]>,
+    bytes: &[u8],
+) -> std::result::Result<(), PieceError> {
+    if let Some(p) = prefix {
+        s.write_all(&p).await.map_err(PieceError::Write)?;
+    }
+    s.write_all(bytes).await.map_err(PieceError::Write)?;
+    let _ = s.finish();
+    match s.stopped().await {
+        Ok(None) => Ok(()),
+        Ok(Some(code)) => Err(PieceError::Write(WriteError::Stopped(code))),
+        Err(e) => Err(PieceError::Stopped(e)),
+    }
+}
+
+/// Reads one piece and the end of its stream (a stream dropped before its
+/// end would tell the sender to stop).
+async fn read_piece(
+    mut s: quinn::RecvStream,
+    buf: &mut [u8],
+) -> std::result::Result<(), ReadExactError> {
+    s.read_exact(buf).await?;
+    match s.read(&mut [0u8; 1]).await {
+        Ok(None) => Ok(()),
+        Ok(Some(_)) => Err(ReadExactError::FinishedEarly(usize::MAX)),
+        Err(e) => Err(ReadExactError::ReadError(e)),
+    }
+}
+
+impl Link for QuicLink {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            let r = self.send_pieces(header, data.host()?).await;
+            match r {
+                Err(Error::Protocol { .. }) => {
+                    Err(self.closed_error().unwrap_or_else(|| r.unwrap_err()))
+                }
+                r => r,
+            }
+        })
+    }
+
+    fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move { self.recv_pieces(expect, into.host()?).await })
+    }
+
+    fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            if self.aborted.swap(true, Ordering::AcqRel) {
+                return Ok(());
+            }
+            let mut reason = notice.clone();
+            let mut end = reason.reason.len().min(MAX_REASON);
+            while !reason.reason.is_char_boundary(end) {
+                end -= 1;
+            }
+            reason.reason.truncate(end);
+            tracing::debug!(rank = self.rank, peer = self.peer, "aborting QUIC link");
+            self.conn
+                .close(VarInt::from_u32(ABORT_CODE), &reason.encode());
+            Ok(())
+        })
+    }
+}
+
+impl Drop for QuicLink {
+    /// Every send was acknowledged, but the peer may still be reading what it
+    /// received: the connection lingers until the peer closes it (or for
+    /// [`LINGER`]), on the endpoint's runtime, then closes.
+    fn drop(&mut self) {
+        let (conn, endpoint, comm) = (self.conn.clone(), self.endpoint.clone(), self.comm);
+        self.runtime.spawn(async move {
+            let _ = tokio::time::timeout(LINGER, conn.closed()).await;
+            conn.close(VarInt::from_u32(DONE_CODE), b"done");
+            let _ = (endpoint, comm);
+        });
+    }
+}
