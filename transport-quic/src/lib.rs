@@ -124,6 +124,10 @@ pub(crate) fn transport_config(options: &QuicOptions, timeout: Duration) -> Arc<
         .stream_receive_window(VarInt::from_u32(4 * 1024 * 1024))
         .receive_window(VarInt::from_u32(64 * 1024 * 1024))
         .send_window(64 * 1024 * 1024);
+    // Acknowledge every ack-eliciting packet at once (see `link`).
+    let mut acks = quinn::AckFrequencyConfig::default();
+    acks.ack_eliciting_threshold(VarInt::from_u32(0));
+    t.ack_frequency_config(Some(acks));
     let idle = timeout
         .min(Duration::from_secs(10))
         .max(Duration::from_millis(300));

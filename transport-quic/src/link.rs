@@ -14,13 +14,23 @@
 //! stream is the n-th opened one, and pieces land straight in the caller's
 //! buffer at their offset.
 //!
-//! A send returns once the peer has acknowledged every piece (quinn's
-//! `SendStream::stopped`), so a rank that finishes and exits never drops
-//! data its peer still has to read. An abort closes the connection with
+//! A send returns once the peer acknowledged every piece (quinn's
+//! `SendStream::stopped`): a rank that finishes and exits (without dropping
+//! its communicator, the kernel does not flush QUIC for it) never loses data
+//! its peer still has to read. Receivers acknowledge every ack-eliciting
+//! packet at once (the ack-frequency extension, threshold 0, see
+//! `transport_config`), so that a send does not wait for quinn's ack delay and
+//! a peer that exits right after reading has acknowledged already. A dropped
+//! link waits (at most [`LINGER`]) for what is still unacknowledged, then
+//! closes; streams received before a close can still be accepted and read
+//! (quinn's `poll_accept`). An abort closes the connection with
 //! [`ABORT_CODE`] and the encoded [`AbortNotice`] as the reason, which the
 //! peer turns into [`Error::PeerLost`] naming the rank that failed first.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{
+    atomic::{AtomicBool, Ordering},
+    Arc, Condvar, Mutex as StdMutex,
+};
 use std::time::Duration;
 
 use ccl_core::{
@@ -43,7 +53,7 @@ pub const ABORT_CODE: u32 = 0xCC1A;
 pub const DONE_CODE: u32 = 0;
 /// Longest abort reason that fits a close frame.
 const MAX_REASON: usize = 900;
-/// How long a dropped link waits for the peer to close first.
+/// How long a dropped link waits for the peer to acknowledge what it sent.
 const LINGER: Duration = Duration::from_secs(2);
 
 pub(crate) struct QuicLink {
@@ -56,6 +66,8 @@ pub(crate) struct QuicLink {
     sending: Mutex<()>,
     receiving: Mutex<()>,
     aborted: AtomicBool,
+    /// Streams sent and not yet acknowledged.
+    unacked: Arc<Unacked>,
     /// Keeps the accepting task (strangers are logged) as long as a link lives.
     _guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
 }
@@ -81,6 +93,7 @@ impl QuicLink {
             sending: Mutex::new(()),
             receiving: Mutex::new(()),
             aborted: AtomicBool::new(false),
+            unacked: Arc::new(Unacked::default()),
             _guard: guard,
         }
     }
@@ -162,11 +175,9 @@ impl QuicLink {
         let first = pieces.next().unwrap_or(&[]);
         let mut writing = FuturesUnordered::new();
         let piece = |s: quinn::SendStream, prefix: Option<[u8; HEADER_LEN]>, bytes: &'a [u8]| async move {
-            send_piece(s, prefix, bytes).await.map_err(|e| match e {
-                PieceError::Write(e) => self.write_error(e),
-                PieceError::Stopped(quinn::StoppedError::ConnectionLost(c)) => self.lost(&c),
-                PieceError::Stopped(e) => self.protocol(format!("stream stopped: {e}")),
-            })
+            send_piece(s, prefix, bytes, &self.unacked, &self.runtime)
+                .await
+                .map_err(|e| self.write_error(e))
         };
         let open = |s: std::result::Result<quinn::SendStream, ConnectionError>| {
             s.map_err(|c| self.lost(&c))
@@ -231,27 +242,59 @@ impl QuicLink {
     }
 }
 
-enum PieceError {
-    Write(WriteError),
-    Stopped(quinn::StoppedError),
+/// A count of streams sent and not yet acknowledged.
+#[derive(Default)]
+struct Unacked {
+    count: StdMutex<usize>,
+    zero: Condvar,
 }
 
-/// Writes one piece (after `prefix`) on its own stream and waits until the
-/// peer acknowledged all of it.
+impl Unacked {
+    fn add(&self) {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+    }
+
+    fn done(&self) {
+        let mut n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.zero.notify_all();
+        }
+    }
+
+    /// Waits (blocking) until the count is zero or `limit` passed; whether it is zero.
+    fn wait_zero(&self, limit: Duration) -> bool {
+        let n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        let (n, _) = self
+            .zero
+            .wait_timeout_while(n, limit, |n| *n > 0)
+            .unwrap_or_else(|e| e.into_inner());
+        *n == 0
+    }
+}
+
+/// Writes one piece (after `prefix`) on its own stream, finishes it and
+/// waits until the peer acknowledged all of it.
 async fn send_piece(
     mut s: quinn::SendStream,
     prefix: Option<[u8; HEADER_LEN]>,
     bytes: &[u8],
-) -> std::result::Result<(), PieceError> {
+    unacked: &Arc<Unacked>,
+    _runtime: &tokio::runtime::Handle,
+) -> std::result::Result<(), WriteError> {
     if let Some(p) = prefix {
-        s.write_all(&p).await.map_err(PieceError::Write)?;
+        s.write_all(&p).await?;
     }
-    s.write_all(bytes).await.map_err(PieceError::Write)?;
+    s.write_all(bytes).await?;
     let _ = s.finish();
-    match s.stopped().await {
+    unacked.add();
+    let r = s.stopped().await;
+    unacked.done();
+    match r {
         Ok(None) => Ok(()),
-        Ok(Some(code)) => Err(PieceError::Write(WriteError::Stopped(code))),
-        Err(e) => Err(PieceError::Stopped(e)),
+        Ok(Some(code)) => Err(WriteError::Stopped(code)),
+        Err(quinn::StoppedError::ConnectionLost(c)) => Err(WriteError::ConnectionLost(c)),
+        Err(quinn::StoppedError::ZeroRttRejected) => Err(WriteError::ZeroRttRejected),
     }
 }
 
@@ -314,15 +357,18 @@ impl Link for QuicLink {
 }
 
 impl Drop for QuicLink {
-    /// Every send was acknowledged, but the peer may still be reading what it
-    /// received: the connection lingers until the peer closes it (or for
-    /// [`LINGER`]), on the endpoint's runtime, then closes.
+    /// Waits (blocking, at most [`LINGER`]) until the peer acknowledged
+    /// everything this link sent, then closes the connection; the peer can
+    /// still read what it received. Never called on the QUIC runtime's thread.
     fn drop(&mut self) {
-        let (conn, endpoint, comm) = (self.conn.clone(), self.endpoint.clone(), self.comm);
-        self.runtime.spawn(async move {
-            let _ = tokio::time::timeout(LINGER, conn.closed()).await;
-            conn.close(VarInt::from_u32(DONE_CODE), b"done");
-            let _ = (endpoint, comm);
-        });
+        if !self.aborted.load(Ordering::Acquire) && !self.unacked.wait_zero(LINGER) {
+            tracing::debug!(
+                rank = self.rank,
+                peer = self.peer,
+                "closing a QUIC link with data not acknowledged after {LINGER:?}"
+            );
+        }
+        self.conn.close(VarInt::from_u32(DONE_CODE), b"done");
+        let _ = (&self.endpoint, self.comm);
     }
 }
