@@ -33,14 +33,22 @@ const BUILTIN: &[Make] = &[
     |c| Ok(Arc::new(ccl_transport_shm::ShmTransport::from_config(c)?)),
     #[cfg(feature = "tcp")]
     |c| Ok(Arc::new(ccl_transport_tcp::TcpTransport::from_config(c)?)),
+    #[cfg(feature = "quic")]
+    |c| Ok(Arc::new(ccl_transport_quic::QuicTransport::from_config(c)?)),
 ];
+
+/// Transports used only when `CCL_TRANSPORT` names them: in `auto` they are
+/// not even prepared. QUIC is here until pairs can pick it (per pair, say
+/// between hosts on a lossy network): that choice belongs in
+/// [`Transports::candidates`].
+const FORCED_ONLY: &[&str] = &["quic"];
 
 /// The transports a communicator may use, most preferred first.
 #[derive(Clone)]
 pub struct Transports(Vec<Arc<dyn Transport>>);
 
 impl Transports {
-    /// The transports this build carries (features `shm` and `tcp`), with
+    /// The transports this build carries (features `shm`, `tcp`, `quic`), with
     /// the options `config` sets (`CCL_NSOCKS`, `CCL_SHM_BYTES`, ...).
     pub fn from_config(config: &Config) -> Result<Transports> {
         BUILTIN.iter().map(|make| make(config)).collect()
@@ -72,7 +80,12 @@ impl Transports {
     pub(crate) fn candidates(&self, forced: Option<&str>) -> Result<Candidates> {
         let Some(name) = forced else {
             return Ok(Candidates {
-                transports: self.0.clone(),
+                transports: self
+                    .0
+                    .iter()
+                    .filter(|t| !FORCED_ONLY.contains(&t.name()))
+                    .cloned()
+                    .collect(),
                 forced: false,
             });
         };

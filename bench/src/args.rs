@@ -265,7 +265,7 @@ pub struct BenchArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Transport: auto (shared memory between ranks of one host, TCP between hosts), tcp, or shm
+    /// Transport: auto (shared memory between ranks of one host, TCP between hosts), tcp, shm, or quic
     #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
     pub transport: String,
     /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms, for a schedule optionally with its piece size (ring/128K)
@@ -470,15 +470,15 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
 pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     let mut plan = common_plan(coll, &a.sizes, &a.common)?;
     let transport = a.transport.to_ascii_lowercase();
-    if !["auto", "tcp", "shm"].contains(&transport.as_str()) {
+    if !["auto", "tcp", "shm", "quic"].contains(&transport.as_str()) {
         return Err(format!(
-            "--transport {}: not available (expected auto, tcp or shm)",
+            "--transport {}: not available (expected auto, tcp, shm or quic)",
             a.transport
         ));
     }
     plan.transport = transport;
     plan.algos = algos(coll, &a.algo)?;
-    if plan.transport == "tcp" && plan.algos.len() > 1 {
+    if (plan.transport == "tcp" || plan.transport == "quic") && plan.algos.len() > 1 {
         // `all` over TCP: no board, so the board algorithms would only
         // measure the fallback again.
         plan.algos.retain(|c| {
