@@ -32,6 +32,8 @@ const REJECT: u8 = 0x15;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const ALPN: &[u8] = b"ccl/1";
 const CONTEXT: &str = "QUIC mesh set-up";
+/// UDP socket buffer size asked for.
+const UDP_BUFFER: usize = 16 * 1024 * 1024;
 
 /// The runtime every QUIC endpoint and connection of this process runs on: a
 /// thread of its own, so that packets (acknowledgements, keep-alives) are
@@ -176,6 +178,18 @@ pub(crate) fn listen_and_publish(setup: &Setup, options: &QuicOptions) -> Result
     server.transport_config(transport_config(options, setup.timeout));
     let bind = SocketAddr::new(options.local_ip, 0);
     let socket = UdpSocket::bind(bind).map_err(|e| Error::io(format!("binding UDP {bind}"), e))?;
+    // Large socket buffers: the kernel's default (208 KiB) drops bursts of
+    // datagrams, which congestion control reads as loss. Capped by
+    // net.core.rmem_max/wmem_max; best effort.
+    let sock = socket2::SockRef::from(&socket);
+    let _ = sock.set_recv_buffer_size(UDP_BUFFER);
+    let _ = sock.set_send_buffer_size(UDP_BUFFER);
+    tracing::debug!(
+        rank,
+        recv = ?sock.recv_buffer_size(),
+        send = ?sock.send_buffer_size(),
+        "UDP socket buffers"
+    );
     let endpoint = Endpoint::new(
         EndpointConfig::default(),
         Some(server),
