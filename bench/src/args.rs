@@ -544,7 +544,7 @@ pub struct BucketerArgs {
     /// Untimed iterations before the timed ones
     #[arg(short = 'w', long, value_name = "N", default_value = "2")]
     pub warmup: usize,
-    /// Transport: auto, tcp or shm
+    /// Transport: auto, tcp, shm or quic
     #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
     pub transport: String,
     /// Deadline of every call and of the set-up [default: CCL_TIMEOUT, else 60s]
