@@ -185,6 +185,10 @@ impl Communicator {
         }
         let spin = ccl_core::Spin {
             repoll: world_size > 1 && connected.class.in_memory,
+            window: match options.spin_window {
+                None if connected.class.progress_thread => Duration::ZERO,
+                _ => spin.window,
+            },
             ..spin
         };
         let tuner = Tuner::new(

@@ -25,8 +25,9 @@ pub struct Options {
     /// then they also yield between polls.
     pub spin_window: Option<Duration>,
     /// The one transport every pair must use, by name (`CCL_TRANSPORT`:
-    /// `tcp`, `shm`); `None`: each pair takes the first of `transports`
-    /// that can connect it.
+    /// `tcp`, `shm`, `quic`), or the candidates in order (`shm,quic`: each
+    /// pair takes the first of them that connects it); `None`: each pair
+    /// takes the first of `transports` that can connect it.
     pub transport: Option<String>,
     /// The transports, most preferred first, each with its own options;
     /// `None`: those this build carries, with their default options.

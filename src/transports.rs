@@ -9,7 +9,8 @@
 //! [`PeerInfo`] with the others, then connects each pair with the first
 //! transport that [can](Transport::can_connect); a pair the transport fails
 //! for (alike on both sides) falls to the next one. `CCL_TRANSPORT` names
-//! the one transport every pair must use.
+//! the one transport every pair must use, or lists the candidates in order
+//! (`shm,quic`: shared memory within a host, QUIC between hosts).
 
 use std::{
     fmt,
@@ -38,9 +39,9 @@ const BUILTIN: &[Make] = &[
 ];
 
 /// Transports used only when `CCL_TRANSPORT` names them: in `auto` they are
-/// not even prepared. QUIC is here until pairs can pick it (per pair, say
-/// between hosts on a lossy network): that choice belongs in
-/// [`Transports::candidates`].
+/// not even prepared. QUIC costs more CPU than TCP on a clean network; a job
+/// whose hosts talk over a network it does not trust lists it
+/// (`CCL_TRANSPORT=shm,quic`).
 const FORCED_ONLY: &[&str] = &["quic"];
 
 /// The transports a communicator may use, most preferred first.
@@ -75,10 +76,12 @@ impl Transports {
         self.0.iter().map(|t| t.name()).collect()
     }
 
-    /// The candidates for a set-up: all of them, or the one named by
-    /// `forced` (`CCL_TRANSPORT`).
-    pub(crate) fn candidates(&self, forced: Option<&str>) -> Result<Candidates> {
-        let Some(name) = forced else {
+    /// The candidates for a set-up: all of them (but those used only when
+    /// named), the one named by `chosen` (`CCL_TRANSPORT=quic`: every pair
+    /// must use it), or those it lists in order (`CCL_TRANSPORT=shm,quic`:
+    /// each pair takes the first of them that connects it).
+    pub(crate) fn candidates(&self, chosen: Option<&str>) -> Result<Candidates> {
+        let Some(list) = chosen else {
             return Ok(Candidates {
                 transports: self
                     .0
@@ -89,16 +92,26 @@ impl Transports {
                 forced: false,
             });
         };
-        match self.0.iter().find(|t| t.name() == name) {
-            Some(t) => Ok(Candidates {
-                transports: vec![t.clone()],
-                forced: true,
-            }),
-            None => Err(Error::Config(format!(
-                "CCL_TRANSPORT={name}: no such transport (this build has {})",
-                self.names().join(", ")
-            ))),
-        }
+        let names: Vec<&str> = list.split(',').map(str::trim).collect();
+        let transports = names
+            .iter()
+            .map(|&name| {
+                self.0
+                    .iter()
+                    .find(|t| t.name() == name)
+                    .cloned()
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "CCL_TRANSPORT={list}: no transport named {name:?} (this build has {})",
+                            self.names().join(", ")
+                        ))
+                    })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Candidates {
+            transports,
+            forced: names.len() == 1,
+        })
     }
 }
 
@@ -154,6 +167,7 @@ const NO_LINKS: LinkClass = LinkClass {
     name: "none",
     piece_bytes: 512 * 1024,
     in_memory: false,
+    progress_thread: false,
 };
 
 /// Logs the first fallback from one transport to the next in this process.

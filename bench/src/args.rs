@@ -470,21 +470,22 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
 pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     let mut plan = common_plan(coll, &a.sizes, &a.common)?;
     let transport = a.transport.to_ascii_lowercase();
-    if !["auto", "tcp", "shm", "quic"].contains(&transport.as_str()) {
+    let known = ["tcp", "shm", "quic"];
+    if transport != "auto" && !transport.split(',').all(|t| known.contains(&t.trim())) {
         return Err(format!(
-            "--transport {}: not available (expected auto, tcp, shm or quic)",
+            "--transport {}: not available (expected auto, or one or a list of tcp, shm, quic)",
             a.transport
         ));
     }
-    plan.transport = transport;
     plan.algos = algos(coll, &a.algo)?;
-    if (plan.transport == "tcp" || plan.transport == "quic") && plan.algos.len() > 1 {
-        // `all` over TCP: no board, so the board algorithms would only
-        // measure the fallback again.
+    if transport != "auto" && !transport.contains("shm") && plan.algos.len() > 1 {
+        // `all` without shared memory: no board, so the board algorithms
+        // would only measure the fallback again.
         plan.algos.retain(|c| {
             !c.is_some_and(|c| matches!(c.algorithm, Algorithm::Board | Algorithm::BoardDirect))
         });
     }
+    plan.transport = transport;
     plan.algo_requested = a.algo.to_ascii_lowercase();
     plan.check = a.check;
     Ok(plan)

@@ -26,6 +26,10 @@ pub struct LinkClass {
     /// The links make progress in memory, without a runtime: a thread that
     /// waits on them may poll again at once ([`crate::Repoll`]).
     pub in_memory: bool,
+    /// The links move data on a thread of their own (QUIC's runtime): a
+    /// waiting caller sleeps at once, since polling would only take the CPU
+    /// that thread needs (unless `CCL_SPIN_US` asks for a window).
+    pub progress_thread: bool,
 }
 
 /// What a rank tells the others about itself before links are made.

@@ -82,8 +82,9 @@ pub struct Config {
     /// (`None`: the facade decides from the ranks per host and the cores).
     pub spin: Option<Duration>,
     /// `CCL_TRANSPORT`: the one transport every pair must use, by name
-    /// (`tcp`, `shm`, ...); `None` (unset or `auto`): each pair takes the
-    /// first transport that can connect it.
+    /// (`tcp`, `shm`, `quic`), or a list of candidates in order (`shm,quic`);
+    /// `None` (unset or `auto`): each pair takes the first transport that can
+    /// connect it.
     pub transport: Option<String>,
     /// `CCL_HOST_ID`: ranks with equal values count as one host (default: the
     /// hostname, boot id and namespaces of the process).

@@ -14,6 +14,7 @@ use std::{
 use ccl::{Communicator, Error, HashStore, Options, Store};
 
 pub mod loopback;
+pub mod netns;
 
 /// Runs `f(comm)` on `n` ranks, each a thread of this process with its own
 /// communicator (all on one host, so they share memory as processes would).

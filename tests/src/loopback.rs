@@ -42,6 +42,7 @@ impl Transport for Loopback {
             name: "loopback",
             piece_bytes: 1 << 20,
             in_memory: true,
+            progress_thread: false,
         }
     }
 

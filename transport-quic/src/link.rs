@@ -368,6 +368,16 @@ impl Drop for QuicLink {
                 "closing a QUIC link with data not acknowledged after {LINGER:?}"
             );
         }
+        let stats = self.conn.stats();
+        tracing::debug!(
+            rank = self.rank,
+            peer = self.peer,
+            mtu = stats.path.current_mtu,
+            lost_packets = stats.path.lost_packets,
+            congestion_events = stats.path.congestion_events,
+            rtt = ?stats.path.rtt,
+            "QUIC link closing"
+        );
         self.conn.close(VarInt::from_u32(DONE_CODE), b"done");
         let _ = (&self.endpoint, self.comm);
     }

@@ -32,6 +32,8 @@ const REJECT: u8 = 0x15;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const ALPN: &[u8] = b"ccl/1";
 const CONTEXT: &str = "QUIC mesh set-up";
+/// Largest UDP payload over IPv4.
+const MAX_UDP_PAYLOAD: u16 = 65_527;
 /// UDP socket buffer size asked for.
 const UDP_BUFFER: usize = 16 * 1024 * 1024;
 
@@ -190,13 +192,13 @@ pub(crate) fn listen_and_publish(setup: &Setup, options: &QuicOptions) -> Result
         send = ?sock.send_buffer_size(),
         "UDP socket buffers"
     );
-    let endpoint = Endpoint::new(
-        EndpointConfig::default(),
-        Some(server),
-        socket,
-        Arc::new(Background),
-    )
-    .map_err(|e| Error::io("starting the QUIC endpoint", e))?;
+    // Accept datagrams up to UDP's limit, so MTU discovery can use them.
+    let mut endpoint_config = EndpointConfig::default();
+    endpoint_config
+        .max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .map_err(|e| config_error("UDP payload limit", e))?;
+    let endpoint = Endpoint::new(endpoint_config, Some(server), socket, Arc::new(Background))
+        .map_err(|e| Error::io("starting the QUIC endpoint", e))?;
     let addr = endpoint
         .local_addr()
         .map_err(|e| Error::io("reading the UDP address", e))?;

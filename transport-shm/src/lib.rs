@@ -61,6 +61,7 @@ pub const CLASS: LinkClass = LinkClass {
     name: "shm",
     piece_bytes: 4 << 20,
     in_memory: true,
+    progress_thread: false,
 };
 
 /// How shared-memory links are set up.

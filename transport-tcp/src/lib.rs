@@ -43,6 +43,7 @@ pub const CLASS: LinkClass = LinkClass {
     name: "tcp",
     piece_bytes: 512 * 1024,
     in_memory: false,
+    progress_thread: false,
 };
 
 /// How to build TCP links.
