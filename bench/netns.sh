@@ -23,6 +23,10 @@
 #   -b BURST       tbf burst (bucket size)                  [256kb]
 #   -l LATENCY     tbf latency (queue length in time)       [50ms]
 #   -m MTU         MTU of the links                         [1500]
+#   -L PERCENT     drop this share of the packets each host receives, at
+#                  random (nftables on its eth0 ingress; e.g. 0.5)    [0]
+#   -D DELAY       delay what each host sends (tc netem, e.g. 20ms); fails
+#                  if the kernel has no netem                         [none]
 #   -p PORT        MASTER_PORT                              [29500]
 #   -t SECONDS     kill the ranks after this long           [600]
 #   -k             keep the namespaces after COMMAND (and skip it if none
@@ -42,6 +46,8 @@ RATE=1gbit
 BURST=256kb
 LATENCY=50ms
 MTU=1500
+LOSS=0
+DELAY=
 PORT=29500
 TIMEOUT=600
 KEEP=0
@@ -64,13 +70,15 @@ cleanup() {
 }
 
 DELETE=0
-while getopts "n:r:b:l:m:p:t:kdh" opt; do
+while getopts "n:r:b:l:m:L:D:p:t:kdh" opt; do
     case "$opt" in
     n) N=$OPTARG ;;
     r) RATE=$OPTARG ;;
     b) BURST=$OPTARG ;;
     l) LATENCY=$OPTARG ;;
     m) MTU=$OPTARG ;;
+    L) LOSS=$OPTARG ;;
+    D) DELAY=$OPTARG ;;
     p) PORT=$OPTARG ;;
     t) TIMEOUT=$OPTARG ;;
     k) KEEP=1 ;;
@@ -98,6 +106,14 @@ if [ $# -eq 0 ] && [ "$KEEP" = 0 ]; then
     echo "netns.sh: no command given (or -k to only set up)" >&2
     usage 2
 fi
+if ! awk -v p="$LOSS" 'BEGIN { exit !(p >= 0 && p <= 100) }'; then
+    echo "netns.sh: -L must be a percentage (0..100)" >&2
+    exit 2
+fi
+if [ "$LOSS" != 0 ] && ! command -v nft >/dev/null; then
+    echo "netns.sh: -L needs nft (nftables)" >&2
+    exit 2
+fi
 if ip netns list | awk '{print $1}' | grep -qx "$SWITCH"; then
     echo "netns.sh: namespace $SWITCH exists (an earlier run with -k?); remove with: $0 -d" >&2
     exit 1
@@ -122,6 +138,22 @@ shape() { # namespace device
     ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
 }
 
+# Sending with a delay: netem holds the packets, then the tbf below it
+# limits the rate.
+delay() { # namespace device
+    ip netns exec "$1" tc qdisc replace dev "$2" root handle 1: netem delay "$DELAY" limit 100000
+    ip netns exec "$1" tc qdisc add dev "$2" parent 1:1 handle 10: tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
+}
+
+# Random loss of what a host receives: 1 in 100000 per 0.001 %.
+lose() { # namespace device
+    local per100k
+    per100k=$(awk -v p="$LOSS" 'BEGIN { printf "%d", p * 1000 + 0.5 }')
+    ip netns exec "$1" nft add table netdev ccl_loss
+    ip netns exec "$1" nft add chain netdev ccl_loss ingress "{ type filter hook ingress device \"$2\" priority 0; }"
+    ip netns exec "$1" nft add rule netdev ccl_loss ingress numgen random mod 100000 lt "$per100k" counter drop
+}
+
 ip netns add "$SWITCH"
 ip netns exec "$SWITCH" ip link set lo up
 ip netns exec "$SWITCH" ip link add br0 type bridge
@@ -134,10 +166,18 @@ for ((i = 0; i < N; i++)); do
     ip netns exec "$SWITCH" ip link set "ccl-p$i" master br0 up
     ip netns exec "$ns" ip addr add "$SUBNET.$((i + 1))/24" dev eth0
     ip netns exec "$ns" ip link set eth0 up
-    shape "$ns" eth0          # what host i sends
+    if [ -n "$DELAY" ]; then
+        if ! delay "$ns" eth0 2>/dev/null; then
+            echo "netns.sh: -D $DELAY: this kernel has no tc netem (sch_netem); cannot delay packets" >&2
+            exit 2
+        fi
+    else
+        shape "$ns" eth0 # what host i sends
+    fi
+    [ "$LOSS" != 0 ] && lose "$ns" eth0
     shape "$SWITCH" "ccl-p$i" # what host i receives
 done
-echo "netns.sh: $N namespaces ${PREFIX}0..${PREFIX}$((N - 1)) ($SUBNET.1-$N), links $RATE (tbf burst $BURST latency $LATENCY), mtu $MTU" >&2
+echo "netns.sh: $N namespaces ${PREFIX}0..${PREFIX}$((N - 1)) ($SUBNET.1-$N), links $RATE (tbf burst $BURST latency $LATENCY), mtu $MTU, loss ${LOSS}%, delay ${DELAY:-none}" >&2
 # Wait until the bridge forwards (ports leave the listening state at once with STP off).
 for ((i = 1; i < N; i++)); do
     for _ in $(seq 50); do

@@ -53,7 +53,10 @@ pub const CLASS: LinkClass = LinkClass {
     progress_thread: true,
 };
 
-/// Congestion controller (`CCL_QUIC_CC`).
+/// Congestion controller (`CCL_QUIC_CC`). BBR is the default: it does not
+/// read random loss as congestion. Measured, 4 hosts at 1 Gbit/s with 0.5%
+/// loss, 16 MiB ring allreduce: BBR 68% of the line, Cubic 54%, NewReno
+/// 53% (TCP: 82%); on loopback, 256 MiB, BBR and Cubic alike.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CongestionControl {
     Cubic,
@@ -89,7 +92,7 @@ impl Default for QuicOptions {
     fn default() -> QuicOptions {
         QuicOptions {
             local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            cc: CongestionControl::Cubic,
+            cc: CongestionControl::Bbr,
         }
     }
 }
@@ -116,6 +119,30 @@ impl QuicOptions {
 
 /// Largest UDP payload MTU discovery probes for.
 const MTU_UPPER_BOUND: u16 = 65_000;
+/// Largest interface MTU on which UDP segmentation offload is used.
+const GSO_MAX_MTU: u32 = 9216;
+
+/// The MTU of the interface that holds `ip`, if one does.
+fn interface_mtu(ip: IpAddr) -> Option<u32> {
+    let name = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .find(|a| {
+            let addr = a.address.as_ref();
+            let v4 = addr
+                .and_then(|s| s.as_sockaddr_in())
+                .map(|s| IpAddr::V4(s.ip()));
+            let v6 = addr
+                .and_then(|s| s.as_sockaddr_in6())
+                .map(|s| IpAddr::V6(s.ip()));
+            v4.or(v6) == Some(ip)
+        })?
+        .interface_name;
+    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
 
 /// Transport parameters: windows large enough that a 256 MiB message on
 /// loopback is not bound by flow control, many uni streams, and an idle
@@ -128,18 +155,26 @@ pub(crate) fn transport_config(options: &QuicOptions, timeout: Duration) -> Arc<
         .stream_receive_window(VarInt::from_u32(4 * 1024 * 1024))
         .receive_window(VarInt::from_u32(64 * 1024 * 1024))
         .send_window(64 * 1024 * 1024);
-    // Datagrams as large as the path carries: MTU discovery probes up to
-    // 65 000 bytes (loopback's MTU is 65 536; the endpoint accepts that
-    // much, see `mesh`), and stops at the path's MTU elsewhere. Per-packet
-    // work, not encryption, bounded loopback at 1 200-byte packets.
+    // Datagrams as large as the interface carries: MTU discovery probes up
+    // to its MTU (65 536 on loopback; the endpoint accepts up to 65 527
+    // bytes, see `mesh`). Per-packet work, not encryption, bounds QUIC on
+    // few cores, so larger datagrams, or else batches of them sent in one
+    // system call (UDP segmentation offload), are what make it fast. The
+    // two do not mix: with offload, bursts of datagrams above some 32 KB
+    // were lost on loopback, quinn took that for a black hole and fell back
+    // to 1 200-byte packets for good. Measured, 4 hosts at 1 Gbit/s, MTU
+    // 1500: 62% of the line with offload, 19% without; loopback, 256 MiB:
+    // 0.8-1.2 GB/s without offload and 65 000-byte datagrams, 0.25 with.
+    let link_mtu = interface_mtu(options.local_ip).unwrap_or(1500);
+    let headers = if options.local_ip.is_ipv4() { 28 } else { 48 };
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MTU_UPPER_BOUND);
+    mtu.upper_bound(
+        u16::try_from(link_mtu.saturating_sub(headers))
+            .unwrap_or(MTU_UPPER_BOUND)
+            .clamp(1200, MTU_UPPER_BOUND),
+    );
     t.mtu_discovery_config(Some(mtu));
-    // No UDP segmentation offload: with it, bursts of large datagrams were
-    // lost on loopback, quinn took that for a black hole and fell back to
-    // 1 200-byte packets for good (0.25 GB/s at 256 MiB against 0.8-1.2
-    // without it, same run).
-    t.enable_segmentation_offload(false);
+    t.enable_segmentation_offload(link_mtu <= GSO_MAX_MTU);
     // Acknowledge every ack-eliciting packet at once (see `link`).
     let mut acks = quinn::AckFrequencyConfig::default();
     acks.ack_eliciting_threshold(VarInt::from_u32(0));
