@@ -291,3 +291,29 @@ impl Prepared {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(c: &Candidates) -> Vec<&'static str> {
+        c.transports.iter().map(|t| t.name()).collect()
+    }
+
+    #[test]
+    #[cfg(all(feature = "shm", feature = "tcp", feature = "quic"))]
+    fn ccl_transport_names_one_or_lists_candidates_in_order() {
+        let all = Transports::builtin().unwrap();
+        let auto = all.candidates(None).unwrap();
+        assert!(!auto.forced);
+        assert!(!names(&auto).contains(&"quic"), "QUIC only when named");
+        let one = all.candidates(Some("tcp")).unwrap();
+        assert_eq!((names(&one), one.forced), (vec!["tcp"], true));
+        let list = all.candidates(Some("shm, quic")).unwrap();
+        assert_eq!((names(&list), list.forced), (vec!["shm", "quic"], false));
+        let Err(Error::Config(e)) = all.candidates(Some("shm,carrier-pigeon")) else {
+            panic!("an unknown name must be refused");
+        };
+        assert!(e.contains("\"carrier-pigeon\""), "{e}");
+    }
+}
