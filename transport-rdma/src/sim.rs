@@ -185,8 +185,6 @@ struct NicInner {
     number: u32,
     table: Map,
     alloc: Mutex<()>,
-    /// When this process's port is free again, in modelled time.
-    egress_free: AtomicU64,
     faults: Faults,
     /// Writes with immediate posted (for `access-error-after`).
     imm_writes: AtomicU64,
@@ -206,7 +204,6 @@ impl SimNic {
             number,
             table,
             alloc: Mutex::new(()),
-            egress_free: AtomicU64::new(0),
             faults,
             imm_writes: AtomicU64::new(0),
         })))
@@ -278,6 +275,7 @@ impl Verbs for SimNic {
             qpn,
             file,
             remote: None,
+            egress_free: 0,
             local: VecDeque::new(),
             held: VecDeque::new(),
             failed: false,
@@ -299,6 +297,8 @@ pub struct SimQp {
     qpn: u32,
     file: Map,
     remote: Option<RemoteQp>,
+    /// When this queue pair's path is free again, in modelled time.
+    egress_free: u64,
     local: VecDeque<(Completion, u64)>,
     held: VecDeque<(Completion, u64, u32)>,
     failed: bool,
@@ -320,23 +320,17 @@ fn alive(pid: i32) -> bool {
 
 impl SimQp {
     /// Modelled (arrival at the peer, acknowledgement here) of `len` bytes sent now.
-    fn model(&self, len: usize) -> (u64, u64) {
+    fn model(egress_free: &mut u64, len: usize) -> (u64, u64) {
         let now = CLOCK.load(Ordering::Relaxed);
         let wire = (len as f64 / LINE_BYTES_PER_NS).ceil() as u64;
-        let port = &self.nic.egress_free;
-        let mut free = port.load(Ordering::Relaxed);
-        loop {
-            let done = free.max(now) + wire;
-            match port.compare_exchange_weak(free, done, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => return (done + LATENCY_NS, done + 2 * LATENCY_NS),
-                Err(f) => free = f,
-            }
-        }
+        let done = (*egress_free).max(now) + wire;
+        *egress_free = done;
+        (done + LATENCY_NS, done + 2 * LATENCY_NS)
     }
 
     /// Carries out a write; its status.
     fn execute(&mut self, w: &Write) -> (Status, u64) {
-        let Some(remote) = &self.remote else {
+        let Some(remote) = self.remote.as_ref() else {
             return (Status::Other("queue pair is not connected".into()), 0);
         };
         if remote.qp.word(CLOSED).load(Ordering::Acquire) != 0 {
@@ -382,7 +376,7 @@ impl SimQp {
                 }
             }
         }
-        let (arrival, ack) = self.model(w.len);
+        let (arrival, ack) = SimQp::model(&mut self.egress_free, w.len);
         if let Some(imm) = w.imm {
             let started = Instant::now();
             while remote.qp.word(TAKEN).load(Ordering::Relaxed)
