@@ -7,8 +7,9 @@
 //! small [`Verbs`] trait; a link ([`link`]) that drives it from the
 //! engine's futures; the set-up exchange through the authenticated store
 //! ([`setup`]); a registration cache ([`regcache`]). Two things implement
-//! [`Verbs`]: the `ibverbs` crate on a real NIC (feature `ibverbs`,
-//! *not yet written*), and [`sim`], a simulated fabric between processes of
+//! [`Verbs`]: the glue to a real NIC (*planned*: on the `ibverbs`
+//! crate's raw bindings, behind a feature `ibverbs`, since the crate's safe
+//! API registers no user memory and posts no RDMA writes), and [`sim`], a simulated fabric between processes of
 //! one host, which is a test double for hardware this project does not
 //! have, chosen only by `CCL_RDMA_SIM`.
 //!
@@ -141,8 +142,8 @@ impl RdmaTransport {
             None => Backend::Missing(
                 match probe(Path::new(SYSFS_DEVICES), options.device.as_deref()) {
                     Ok(device) => format!(
-                        "found RDMA device {device}, but this build has no ibverbs glue yet \
-                     (the `ibverbs` feature)"
+                        "found RDMA device {device}, but ccl has no ibverbs glue yet \
+                     (only the simulated fabric, CCL_RDMA_SIM, implements its verbs)"
                     ),
                     Err(checked) => checked,
                 },

@@ -625,12 +625,7 @@ impl<V: Verbs> Peer<V> {
                         ));
                         return Err(self.fail(e));
                     }
-                    let region = {
-                        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-                        cache.acquire(&*self.verbs, op.addr, op.len)
-                    }
-                    .map_err(|e| self.protocol(format!("registering {} bytes: {e}", op.len)))
-                    .map_err(|e| self.fail(e))?;
+                    let region = self.acquire(op.addr, op.len)?;
                     let mut at = 0;
                     let mut id = 0;
                     while at < op.len {
@@ -660,10 +655,7 @@ impl<V: Verbs> Peer<V> {
                     if self.data_done < id {
                         return Ok(false);
                     }
-                    self.cache
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .release(&*self.verbs, &region);
+                    self.release(&region);
                     op.state = SendState::Done;
                 }
             }
@@ -674,10 +666,7 @@ impl<V: Verbs> Peer<V> {
     /// pair can no longer tell where the next message begins.
     pub fn cancel_send(&mut self, op: &mut SendOp) {
         if let SendState::Writing { region, .. } = op.state {
-            self.cache
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .release(&*self.verbs, &region);
+            self.release(&region);
         }
         if op.in_flight() {
             let e = self.lost("a send to it was cancelled in the middle of a message".into());
@@ -743,15 +732,7 @@ impl<V: Verbs> Peer<V> {
                     }
                     let (dest, region) = match op.target {
                         Target::Direct => {
-                            let region = {
-                                let mut cache =
-                                    self.cache.lock().unwrap_or_else(|p| p.into_inner());
-                                cache.acquire(&*self.verbs, op.addr, op.len)
-                            }
-                            .map_err(|e| {
-                                self.protocol(format!("registering {} bytes: {e}", op.len))
-                            })
-                            .map_err(|e| self.fail(e))?;
+                            let region = self.acquire(op.addr, op.len)?;
                             (
                                 Remote {
                                     addr: op.addr,
@@ -800,10 +781,7 @@ impl<V: Verbs> Peer<V> {
                                 return Err(self.fail(e));
                             }
                             if let Some(region) = region {
-                                self.cache
-                                    .lock()
-                                    .unwrap_or_else(|p| p.into_inner())
-                                    .release(&*self.verbs, &region);
+                                self.release(&region);
                                 COUNTERS.add_zero_copy_received(op.len);
                             } else if let Some(s) = &self.scratch {
                                 sink(s.bytes(0, op.len)).map_err(|e| self.fail(e))?;
@@ -838,6 +816,25 @@ impl<V: Verbs> Peer<V> {
             self.fail(e);
         }
         op.state = RecvState::Done;
+    }
+
+    /// A registration of `[addr, addr + len)` from the cache.
+    fn acquire(&mut self, addr: u64, len: usize) -> Result<Region> {
+        let got = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .acquire(&*self.verbs, addr, len);
+        got.map_err(|e| self.protocol(format!("registering {len} bytes: {e}")))
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Gives a registration back to the cache.
+    fn release(&self, region: &Region) {
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .release(&*self.verbs, region);
     }
 
     /// Registered scratch of at least `len` bytes.

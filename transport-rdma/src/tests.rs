@@ -233,6 +233,11 @@ fn a_receive_reduces_out_of_the_ring_and_out_of_scratch() {
     }
 }
 
+/// The first error of `step`, run at most `rounds` times.
+fn first_error<T>(rounds: usize, mut step: impl FnMut() -> crate::Result<T>) -> Error {
+    (0..rounds).find_map(|_| step().err()).expect("an error")
+}
+
 #[test]
 fn a_mismatched_message_is_a_mismatch_not_a_hang() {
     let fabric = Fabric::new();
@@ -242,19 +247,12 @@ fn a_mismatched_message_is_a_mismatch_not_a_hang() {
     let mut send = SendOp::new(header(0, data.len()), &data);
     let mut into = vec![0u8; 10];
     let mut recv = RecvOp::new(header(0, 10), &mut into);
-    let mut err = None;
-    for _ in 0..10_000 {
+    let e = first_error(10_000, || {
         a.progress().unwrap();
         a.poll_send(&mut send).unwrap();
-        if let Err(e) = b
-            .progress()
+        b.progress()
             .and_then(|()| b.poll_recv(&mut recv, &mut |_| Ok(())))
-        {
-            err = Some(e);
-            break;
-        }
-    }
-    let e = err.expect("an error");
+    });
     assert!(
         matches!(
             e,
@@ -434,17 +432,10 @@ fn an_abort_notice_reaches_the_peer() {
     });
     let mut into = [0u8; 4];
     let mut recv = RecvOp::new(header(0, 4), &mut into);
-    let mut err = None;
-    for _ in 0..1000 {
-        if let Err(e) = b
-            .progress()
+    let e = first_error(1000, || {
+        b.progress()
             .and_then(|()| b.poll_recv(&mut recv, &mut |_| Ok(())))
-        {
-            err = Some(e);
-            break;
-        }
-    }
-    let e = err.expect("an error");
+    });
     assert!(
         matches!(
             e,
