@@ -80,6 +80,9 @@ pub struct RdmaOptions {
     /// The simulated fabric's directory (`CCL_RDMA_SIM`, tests only) and its faults
     /// (`CCL_RDMA_SIM_FAULTS`).
     pub sim: Option<(PathBuf, Faults)>,
+    /// `CCL_TRANSPORT=rdma`: a rank without a device fails at once, in its
+    /// own set-up, instead of after the others have published theirs.
+    pub forced: bool,
 }
 
 impl RdmaOptions {
@@ -102,6 +105,7 @@ impl RdmaOptions {
             sim: config
                 .knob("CCL_RDMA_SIM")
                 .map(|dir| (PathBuf::from(dir), faults)),
+            forced: config.knob("CCL_TRANSPORT") == Some("rdma"),
         })
     }
 }
@@ -241,6 +245,12 @@ impl Transport for RdmaTransport {
     fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
         let status = match &self.backend {
             Backend::Sim(_) => "ok".to_string(),
+            Backend::Missing(why) if self.options.forced => {
+                return Err(Error::Config(format!(
+                    "CCL_TRANSPORT=rdma, but rank {} cannot use it: {why}",
+                    setup.rank
+                )))
+            }
             Backend::Missing(why) => format!("none {why}"),
         };
         setup
