@@ -32,6 +32,8 @@ type Make = fn(&Config) -> Result<Arc<dyn Transport>>;
 const BUILTIN: &[Make] = &[
     #[cfg(feature = "shm")]
     |c| Ok(Arc::new(ccl_transport_shm::ShmTransport::from_config(c)?)),
+    #[cfg(feature = "rdma")]
+    |c| Ok(Arc::new(ccl_transport_rdma::RdmaTransport::from_config(c)?)),
     #[cfg(feature = "tcp")]
     |c| Ok(Arc::new(ccl_transport_tcp::TcpTransport::from_config(c)?)),
     #[cfg(feature = "quic")]
@@ -49,8 +51,9 @@ const FORCED_ONLY: &[&str] = &["quic"];
 pub struct Transports(Vec<Arc<dyn Transport>>);
 
 impl Transports {
-    /// The transports this build carries (features `shm`, `tcp`, `quic`), with
-    /// the options `config` sets (`CCL_NSOCKS`, `CCL_SHM_BYTES`, ...).
+    /// The transports this build carries (features `shm`, `rdma`, `tcp`,
+    /// `quic`), with the options `config` sets (`CCL_NSOCKS`,
+    /// `CCL_SHM_BYTES`, `CCL_RDMA_DEVICE`, ...).
     pub fn from_config(config: &Config) -> Result<Transports> {
         BUILTIN.iter().map(|make| make(config)).collect()
     }

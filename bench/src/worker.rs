@@ -325,11 +325,19 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         .map_or(0, |(_, n)| *n);
     let mut shm_peers = [through_shm as u64];
     comms[0].allreduce(&mut shm_peers, ReduceOp::Min)?;
+    // And what rank 0 links through, so that RDMA (or its absence) shows.
+    let others: Vec<String> = comms[0]
+        .transports_used()
+        .iter()
+        .filter(|(name, _)| *name != "shm")
+        .map(|(name, k)| format!(", rank 0: {k} through {name}"))
+        .collect();
     let transport = format!(
-        "{} ({} of {} peers through shared memory)",
+        "{} ({} of {} peers through shared memory{})",
         plan.transport,
         shm_peers[0],
-        n - 1
+        n - 1,
+        others.concat()
     );
     let is_root = rank == 0;
     let die = std::env::var(DIE_RANK_VAR)

@@ -110,7 +110,8 @@ fn a_registered_transport_can_be_forced_by_name() {
     let store: Arc<dyn ccl::Store> = Arc::new(ccl::HashStore::new());
     let e = ccl::Communicator::new(0, 2, store, unknown).unwrap_err();
     assert!(
-        e.to_string().contains("carrier-pigeon") && e.to_string().contains("loopback, shm, tcp"),
+        e.to_string().contains("carrier-pigeon")
+            && e.to_string().contains("loopback, shm, rdma, tcp, quic"),
         "{e}"
     );
 }

@@ -189,6 +189,19 @@ fn main() {
     match scenario {
         "collectives" => collectives(&comm, &mut ck),
         "p2p" => p2p(&comm, &mut ck),
+        "modelled-allreduce" => {
+            // One allreduce of COUNT f32 on the simulated RDMA fabric, timed
+            // by its modelled clock (no wall clock): prints both ends.
+            let count: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1 << 24);
+            let mut buf = vec![1.0f32; count];
+            ck.ok("warm-up", comm.barrier());
+            let t0 = ccl_transport_rdma::sim::modelled_ns();
+            ck.ok("allreduce", comm.allreduce(&mut buf, ReduceOp::Sum));
+            let t1 = ccl_transport_rdma::sim::modelled_ns();
+            let n = comm.world_size() as f32;
+            ck.vec("modelled allreduce", &buf, |_| n, count);
+            println!("modelled {t0} {t1}");
+        }
         "split" => split(&comm, &mut ck),
         "mismatch" => {
             // Rank 0 makes a call that differs from the others' in `what`.
@@ -423,6 +436,13 @@ fn main() {
             eprintln!("unknown scenario {other}");
             exit(2);
         }
+    }
+    if std::env::var_os("CCL_RDMA_SIM").is_some() {
+        let c = ccl_transport_rdma::COUNTERS.get();
+        println!(
+            "rdma: eager {} zero-copy sent {} received {}",
+            c.eager_bytes, c.zero_copy_sent, c.zero_copy_received
+        );
     }
     println!(
         "rank {}: {} checks, {} failures, {:?}",

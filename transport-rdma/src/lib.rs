@@ -1,0 +1,384 @@
+//! RDMA links for ccl: InfiniBand and RoCE through verbs, between hosts.
+//!
+//! The crate is split the way quinn is: a protocol core with no I/O
+//! ([`proto`]: eager messages into pre-registered rings under credit-based
+//! flow control, rendezvous writes straight between registered user
+//! buffers, completion errors turned into errors naming the peer) over a
+//! small [`Verbs`] trait; a link ([`link`]) that drives it from the
+//! engine's futures; the set-up exchange through the authenticated store
+//! ([`setup`]); a registration cache ([`regcache`]). Two things implement
+//! [`Verbs`]: the glue to a real NIC (*planned*: on the `ibverbs`
+//! crate's raw bindings, behind a feature `ibverbs`, since the crate's safe
+//! API registers no user memory and posts no RDMA writes), and [`sim`], a simulated fabric between processes of
+//! one host, which is a test double for hardware this project does not
+//! have, chosen only by `CCL_RDMA_SIM`.
+//!
+//! Selection follows NCCL: the transport comes after shared memory and
+//! before TCP, so pairs on different hosts use RDMA when a device is
+//! present and usable and TCP otherwise. `CCL_TRANSPORT=rdma` forces it; on
+//! a machine without a device that fails with "no RDMA device" and what was
+//! checked. `CCL_RDMA_DEVICE` picks a device.
+//!
+//! GPU memory (GPUDirect RDMA) plugs in at [`Verbs::register`]: a device
+//! buffer registered through `nvidia-peermem` (or a dma-buf) gives a key
+//! like host memory does, and the protocol core never touches payload bytes
+//! above the eager limit; eager copies and receive-and-reduce take host
+//! memory only (the link refuses other memory with `Unsupported`).
+
+mod counters;
+mod link;
+pub mod proto;
+pub mod regcache;
+pub mod setup;
+pub mod sim;
+pub mod verbs;
+
+#[cfg(test)]
+mod tests;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+};
+
+use ccl_core::{
+    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
+};
+use ccl_rendezvous::Config;
+
+pub use counters::{CounterValues, Counters, COUNTERS};
+pub use proto::RingConfig;
+pub use verbs::Verbs;
+
+use link::RdmaLink;
+use proto::{Owned, Peer, PeerRing};
+use regcache::RegCache;
+use setup::Offer;
+use sim::{Faults, SimNic};
+
+/// The class of RDMA links: each message above the eager limit costs a
+/// round trip (the receiver's offer), so pieces are 1 MiB.
+pub const CLASS: LinkClass = LinkClass {
+    name: "rdma",
+    piece_bytes: 1 << 20,
+    in_memory: false,
+    progress_thread: false,
+};
+
+/// Registrations the cache keeps per NIC.
+const CACHE_ENTRIES: usize = 64;
+
+/// Where the kernel lists RDMA devices.
+pub const SYSFS_DEVICES: &str = "/sys/class/infiniband";
+
+/// How RDMA links are set up.
+#[derive(Clone, Debug, Default)]
+pub struct RdmaOptions {
+    /// Eager ring sizes (`CCL_RDMA_SLOTS`, `CCL_RDMA_SLOT_BYTES`).
+    pub ring: RingConfig,
+    /// The device to use (`CCL_RDMA_DEVICE`); the first one otherwise.
+    pub device: Option<String>,
+    /// The simulated fabric's directory (`CCL_RDMA_SIM`, tests only) and its faults
+    /// (`CCL_RDMA_SIM_FAULTS`).
+    pub sim: Option<(PathBuf, Faults)>,
+    /// `CCL_TRANSPORT=rdma`: a rank without a device fails at once, in its
+    /// own set-up, instead of after the others have published theirs.
+    pub forced: bool,
+}
+
+impl RdmaOptions {
+    /// The options the `CCL_RDMA_*` knobs set.
+    pub fn from_config(config: &Config) -> Result<RdmaOptions> {
+        let d = RingConfig::default();
+        let faults = Faults::parse(config.knob("CCL_RDMA_SIM_FAULTS").unwrap_or(""))
+            .map_err(Error::Config)?;
+        Ok(RdmaOptions {
+            ring: RingConfig {
+                slots: config.knob_number("CCL_RDMA_SLOTS", d.slots, 2..=4095)?,
+                slot_bytes: config.knob_number(
+                    "CCL_RDMA_SLOT_BYTES",
+                    d.slot_bytes,
+                    4096..=16 << 20,
+                )?,
+                keepalive: d.keepalive,
+            },
+            device: config.knob("CCL_RDMA_DEVICE").map(str::to_string),
+            sim: config
+                .knob("CCL_RDMA_SIM")
+                .map(|dir| (PathBuf::from(dir), faults)),
+            forced: config.knob("CCL_TRANSPORT") == Some("rdma"),
+        })
+    }
+}
+
+/// What this rank links through.
+#[derive(Clone)]
+enum Backend {
+    /// The simulated fabric (tests).
+    Sim(Arc<SimNic>),
+    /// No usable device, and why (what was checked).
+    Missing(String),
+}
+
+/// RDMA between ranks (see the crate docs).
+#[derive(Clone)]
+pub struct RdmaTransport {
+    options: RdmaOptions,
+    backend: Backend,
+}
+
+impl std::fmt::Debug for RdmaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.backend {
+            Backend::Sim(nic) => write!(f, "RdmaTransport({})", nic.name()),
+            Backend::Missing(why) => write!(f, "RdmaTransport(unavailable: {why})"),
+        }
+    }
+}
+
+impl RdmaTransport {
+    /// The transport with these options: the simulated fabric if they name
+    /// one, else the device found on this machine, if any.
+    pub fn new(options: RdmaOptions) -> Result<RdmaTransport> {
+        let backend = match &options.sim {
+            Some((dir, faults)) => {
+                Backend::Sim(Arc::new(SimNic::open(dir, *faults).map_err(Error::Config)?))
+            }
+            None => Backend::Missing(
+                match probe(Path::new(SYSFS_DEVICES), options.device.as_deref()) {
+                    Ok(device) => format!(
+                        "found RDMA device {device}, but ccl has no ibverbs glue yet \
+                     (only the simulated fabric, CCL_RDMA_SIM, implements its verbs)"
+                    ),
+                    Err(checked) => checked,
+                },
+            ),
+        };
+        Ok(RdmaTransport { options, backend })
+    }
+
+    /// The transport with the options `config` sets ([`RdmaOptions::from_config`]).
+    pub fn from_config(config: &Config) -> Result<RdmaTransport> {
+        RdmaTransport::new(RdmaOptions::from_config(config)?)
+    }
+
+    /// The device links go through, or why there is none.
+    pub fn device(&self) -> std::result::Result<String, String> {
+        match &self.backend {
+            Backend::Sim(nic) => Ok(nic.name()),
+            Backend::Missing(why) => Err(why.clone()),
+        }
+    }
+}
+
+/// Directories searched for `libibverbs.so.1`.
+const LIB_DIRS: &[&str] = &[
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib",
+    "/lib/x86_64-linux-gnu",
+    "/lib64",
+];
+
+/// The RDMA device to use (`wanted`, or the first listed under `sysfs`) if
+/// one exists and libibverbs is installed; else "no RDMA device" and what
+/// was checked.
+pub fn probe(sysfs: &Path, wanted: Option<&str>) -> std::result::Result<String, String> {
+    let mut checked = Vec::new();
+    let devices: Vec<String> = match std::fs::read_dir(sysfs) {
+        Ok(entries) => {
+            let mut d: Vec<String> = entries
+                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect();
+            d.sort();
+            d
+        }
+        Err(e) => {
+            checked.push(format!("{}: {e}", sysfs.display()));
+            Vec::new()
+        }
+    };
+    if checked.is_empty() && devices.is_empty() {
+        checked.push(format!("{}: lists no device", sysfs.display()));
+    }
+    let device = match wanted {
+        Some(w) if devices.iter().any(|d| d == w) => Some(w.to_string()),
+        Some(w) => {
+            if !devices.is_empty() {
+                checked.push(format!(
+                    "CCL_RDMA_DEVICE={w}: not among {}",
+                    devices.join(", ")
+                ));
+            }
+            None
+        }
+        None => devices.first().cloned(),
+    };
+    let lib = LIB_DIRS
+        .iter()
+        .map(|d| Path::new(d).join("libibverbs.so.1"))
+        .find(|p| p.exists());
+    if lib.is_none() {
+        checked.push(format!("libibverbs.so.1: not in {}", LIB_DIRS.join(", ")));
+    }
+    match (device, lib) {
+        (Some(device), Some(_)) => Ok(device),
+        _ => Err(format!("no RDMA device (checked {})", checked.join("; "))),
+    }
+}
+
+impl Transport for RdmaTransport {
+    fn name(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn class(&self) -> LinkClass {
+        CLASS
+    }
+
+    /// Any pair may try: whether both ranks have a device is settled
+    /// through the store, so that a pair fails alike on both sides.
+    fn can_connect(&self, _: &PeerInfo, _: &PeerInfo) -> bool {
+        true
+    }
+
+    fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
+        let status = match &self.backend {
+            Backend::Sim(_) => "ok".to_string(),
+            Backend::Missing(why) if self.options.forced => {
+                return Err(Error::Config(format!(
+                    "CCL_TRANSPORT=rdma, but rank {} cannot use it: {why}",
+                    setup.rank
+                )))
+            }
+            Backend::Missing(why) => format!("none {why}"),
+        };
+        setup
+            .store
+            .set(&format!("rdma/{}", setup.rank), status.as_bytes())?;
+        Ok(Box::new(RdmaConnector {
+            setup: setup.clone(),
+            transport: self.clone(),
+        }))
+    }
+}
+
+/// The second phase of [`RdmaTransport`]'s set-up.
+struct RdmaConnector {
+    setup: Setup,
+    transport: RdmaTransport,
+}
+
+impl Connector for RdmaConnector {
+    fn connect<'a>(
+        self: Box<Self>,
+        peers: &'a [usize],
+        spin: Spin,
+    ) -> LinkFuture<'a, Vec<PairResult>> {
+        Box::pin(async move {
+            match &self.transport.backend {
+                Backend::Sim(nic) => {
+                    connect(&self.setup, &self.transport.options, nic, peers, spin)
+                }
+                Backend::Missing(why) => Ok(peers.iter().map(|_| Err(why.clone())).collect()),
+            }
+        })
+    }
+}
+
+/// One side of a pair while it connects.
+struct Half<V: Verbs> {
+    qp: V::Qp,
+    ring: Owned,
+}
+
+/// Connects to every peer in `peers` over `verbs`.
+fn connect<V: Verbs>(
+    setup: &Setup,
+    options: &RdmaOptions,
+    verbs: &Arc<V>,
+    peers: &[usize],
+    spin: Spin,
+) -> Result<Vec<PairResult>> {
+    let (rank, store, cfg) = (setup.rank, &setup.store, options.ring);
+    let secret = setup.secret.as_ref();
+    let cache = Arc::new(Mutex::new(RegCache::new(CACHE_ENTRIES)));
+    // Publish this side of every pair whose peer can use RDMA.
+    let mut halves: Vec<std::result::Result<Half<V>, String>> = Vec::new();
+    for &p in peers {
+        let status = store.get(&format!("rdma/{p}"), setup.timeout)?;
+        let half = match status.strip_prefix(b"none ") {
+            Some(why) => Err(format!(
+                "rank {p} cannot use RDMA: {}",
+                String::from_utf8_lossy(why)
+            )),
+            None => (|| {
+                let qp = verbs.queue_pair()?;
+                let ring = Owned::new(&**verbs, cfg.slots * cfg.slot_bytes)?;
+                Ok(Half { qp, ring })
+            })(),
+        };
+        let line = match &half {
+            Ok(h) => Offer {
+                comm: setup.comm,
+                from: rank,
+                to: p,
+                endpoint: verbs::QueuePair::endpoint(&h.qp),
+                ring: verbs::Remote {
+                    addr: h.ring.region.addr,
+                    rkey: h.ring.region.rkey,
+                },
+                slots: cfg.slots,
+                slot_bytes: cfg.slot_bytes,
+            }
+            .encode(secret),
+            Err(why) => format!("none {why}"),
+        };
+        store.set(&format!("rdma/{rank}-{p}"), line.as_bytes())?;
+        halves.push(half);
+    }
+    // Take the peers' sides, connect, and agree on the verdict.
+    let mut verdicts = Vec::new();
+    for (&p, half) in peers.iter().zip(halves) {
+        let line = store.get(&format!("rdma/{p}-{rank}"), setup.timeout)?;
+        let pair = half.and_then(|mut h| {
+            let offer = Offer::accept(&line, secret, (setup.comm, p, rank), &cfg)?;
+            verbs::QueuePair::connect(&mut h.qp, &offer.endpoint)?;
+            let ring = PeerRing { remote: offer.ring };
+            Peer::new(
+                (rank, p),
+                cfg,
+                verbs.clone(),
+                cache.clone(),
+                h.qp,
+                h.ring,
+                ring,
+            )
+        });
+        let verdict = match &pair {
+            Ok(_) => "ok".to_string(),
+            Err(why) => format!("refused {why}"),
+        };
+        store.set(&format!("rdma/{rank}-{p}/ready"), verdict.as_bytes())?;
+        verdicts.push(pair);
+    }
+    let mut results = Vec::new();
+    for (&p, pair) in peers.iter().zip(verdicts) {
+        let theirs = store.get(&format!("rdma/{p}-{rank}/ready"), setup.timeout)?;
+        let result = match (pair, theirs.strip_prefix(b"refused ")) {
+            (Ok(peer), None) => {
+                Ok(Arc::new(RdmaLink::new(rank, p, peer, spin)) as Arc<dyn ccl_core::Link>)
+            }
+            (Err(why), _) => Err(why),
+            (Ok(_), Some(why)) => Err(format!(
+                "rank {p} refused this rank's RDMA set-up: {}",
+                String::from_utf8_lossy(why)
+            )),
+        };
+        results.push(result);
+    }
+    let linked = results.iter().filter(|r| r.is_ok()).count();
+    tracing::debug!(rank, device = %verbs.name(), "rdma: {linked} of {} peers linked", peers.len());
+    Ok(results)
+}

@@ -1,0 +1,189 @@
+//! The RDMA link: drives one peer's protocol state ([`Peer`]) from the
+//! link's futures. A waiting future polls the completion queue for the spin
+//! window, then sleeps in short, growing steps (up to 1 ms) between polls.
+//! A dropped send or receive is cancelled in the protocol, which fails the
+//! pair if it was in the middle of a message.
+
+use std::{
+    future::{poll_fn, Future},
+    sync::{Mutex, MutexGuard},
+    task::Poll,
+    time::{Duration, Instant},
+};
+
+use ccl_core::{
+    AbortNotice, BufMut, BufRef, FrameHeader, Link, LinkFuture, Reduction, Result, Spin,
+};
+
+use crate::{
+    proto::{Peer, RecvOp, SendOp},
+    verbs::Verbs,
+};
+
+/// Longest sleep between two polls of a waiting future.
+const MAX_NAP: Duration = Duration::from_millis(1);
+
+/// A link to one peer over an RC queue pair.
+pub(crate) struct RdmaLink<V: Verbs> {
+    rank: usize,
+    peer: usize,
+    state: Mutex<Peer<V>>,
+    spin: Spin,
+}
+
+impl<V: Verbs> RdmaLink<V> {
+    pub(crate) fn new(rank: usize, peer: usize, state: Peer<V>, spin: Spin) -> RdmaLink<V> {
+        RdmaLink {
+            rank,
+            peer,
+            state: Mutex::new(state),
+            spin,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Peer<V>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `step` after each poll of the completion queue until it says done.
+    async fn drive(&self, mut step: impl FnMut(&mut Peer<V>) -> Result<bool>) -> Result<()> {
+        let started = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        let mut sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        poll_fn(|cx| loop {
+            {
+                let mut peer = self.lock();
+                let done = peer
+                    .progress()
+                    .and_then(|()| step(&mut peer))
+                    .and_then(|done| {
+                        if done {
+                            Ok(true)
+                        } else {
+                            peer.idle().map(|()| false)
+                        }
+                    });
+                match done {
+                    Ok(true) => return Poll::Ready(Ok(())),
+                    Err(e) => return Poll::Ready(Err(e)),
+                    Ok(false) => {}
+                }
+            }
+            if started.elapsed() < self.spin.window {
+                if self.spin.yield_between {
+                    std::thread::yield_now();
+                }
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            let s = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(nap)));
+            match s.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    sleep = None;
+                    nap = (nap * 2).min(MAX_NAP);
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+}
+
+/// A send that cancels itself in the protocol if dropped before done.
+struct Sending<'l, V: Verbs> {
+    link: &'l RdmaLink<V>,
+    op: SendOp,
+    done: bool,
+}
+
+impl<V: Verbs> Drop for Sending<'_, V> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.link.lock().cancel_send(&mut self.op);
+        }
+    }
+}
+
+/// A receive that cancels itself in the protocol if dropped before done.
+struct Receiving<'l, V: Verbs> {
+    link: &'l RdmaLink<V>,
+    op: RecvOp,
+    done: bool,
+}
+
+impl<V: Verbs> Drop for Receiving<'_, V> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.link.lock().cancel_recv(&mut self.op);
+        }
+    }
+}
+
+impl<V: Verbs> Link for RdmaLink<V> {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn peer(&self) -> usize {
+        self.peer
+    }
+
+    fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            let data = data.host()?;
+            let mut s = Sending {
+                link: self,
+                op: SendOp::new(header, data),
+                done: false,
+            };
+            let op = &mut s.op;
+            self.drive(|p| p.poll_send(op)).await?;
+            s.done = true;
+            Ok(())
+        })
+    }
+
+    fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            let into = into.host()?;
+            let mut r = Receiving {
+                link: self,
+                op: RecvOp::new(expect, into),
+                done: false,
+            };
+            let op = &mut r.op;
+            self.drive(|p| p.poll_recv(op, &mut |_| Ok(()))).await?;
+            r.done = true;
+            Ok(())
+        })
+    }
+
+    fn recv_reduce<'a>(
+        &'a self,
+        expect: FrameHeader,
+        mut into: BufMut<'a>,
+        reduction: Reduction<'a>,
+    ) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            into.reborrow().host()?;
+            let mut r = Receiving {
+                link: self,
+                op: RecvOp::sink(expect, into.len()),
+                done: false,
+            };
+            let op = &mut r.op;
+            let mut reduce =
+                |got: &[u8]| reduction.apply(into.reborrow(), 0, BufRef::from_host(got));
+            self.drive(|p| p.poll_recv(op, &mut reduce)).await?;
+            r.done = true;
+            Ok(())
+        })
+    }
+
+    fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            self.lock().abort(notice);
+            Ok(())
+        })
+    }
+}
