@@ -265,7 +265,7 @@ pub struct BenchArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub common: CommonArgs,
-    /// Transport: auto (shared memory between ranks of one host, TCP between hosts), tcp, shm, or quic
+    /// Transport: auto (shared memory between ranks of one host, RDMA or TCP between hosts), one of shm, rdma, tcp, quic, or a list tried in order per pair (shm,quic)
     #[arg(short = 't', long, value_name = "NAME", default_value = "auto")]
     pub transport: String,
     /// Algorithm: auto (ccl's choice), all (each in turn), or one of the collective's algorithms, for a schedule optionally with its piece size (ring/128K)
@@ -470,10 +470,10 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
 pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     let mut plan = common_plan(coll, &a.sizes, &a.common)?;
     let transport = a.transport.to_ascii_lowercase();
-    let known = ["tcp", "shm", "quic"];
+    let known = ["tcp", "shm", "rdma", "quic"];
     if transport != "auto" && !transport.split(',').all(|t| known.contains(&t.trim())) {
         return Err(format!(
-            "--transport {}: not available (expected auto, or one or a list of tcp, shm, quic)",
+            "--transport {}: not available (expected auto, or one or a list of shm, rdma, tcp, quic)",
             a.transport
         ));
     }
