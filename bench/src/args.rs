@@ -284,9 +284,9 @@ pub struct BenchArgs {
     pub check: bool,
 }
 
-/// Flags of compare-mpi.
+/// What compare and compare-mpi measure.
 #[derive(Args, Debug, Clone)]
-pub struct CompareArgs {
+pub struct CompareTarget {
     /// The collective to compare
     #[arg(value_enum, value_name = "COLLECTIVE")]
     pub collective: Coll,
@@ -294,6 +294,19 @@ pub struct CompareArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+impl CompareTarget {
+    pub fn plan(&self) -> Result<Plan, String> {
+        common_plan(self.collective, &self.sizes, &self.common)
+    }
+}
+
+/// Flags of compare-mpi.
+#[derive(Args, Debug, Clone)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub target: CompareTarget,
     /// mpirun to launch OpenMPI with
     #[arg(long, value_name = "PATH", default_value = "mpirun")]
     pub mpirun: String,
@@ -305,13 +318,8 @@ pub struct CompareArgs {
 /// Flags of `compare`.
 #[derive(Args, Debug, Clone)]
 pub struct PeersArgs {
-    /// The collective to compare
-    #[arg(value_enum, value_name = "COLLECTIVE")]
-    pub collective: Coll,
     #[command(flatten)]
-    pub sizes: SizeArgs,
-    #[command(flatten)]
-    pub common: CommonArgs,
+    pub target: CompareTarget,
     /// Peers to run beside ccl, comma-separated (each must be installed and run, or the comparison fails)
     #[arg(
         long,
@@ -553,6 +561,27 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
 }
 
 impl Plan {
+    /// ", op sum, root 0": the op and root, where the collective has them.
+    pub fn op_root_words(&self) -> String {
+        let mut s = String::new();
+        if self.coll.has_op() {
+            s += &format!(", op {}", self.op);
+        }
+        if self.coll.has_root() {
+            s += &format!(", root {}", self.root);
+        }
+        s
+    }
+
+    /// "in-place" or "out-of-place".
+    pub fn form(&self) -> &'static str {
+        if self.inplace {
+            "in-place"
+        } else {
+            "out-of-place"
+        }
+    }
+
     /// Validation that needs the number of ranks.
     pub fn check_world(&self, n: usize) -> Result<(), String> {
         if self.coll.has_root() && self.root >= n {

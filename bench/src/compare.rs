@@ -11,7 +11,7 @@
 //! best peer, ccl's busbw over the best peer's, and ccl's busbw over the
 //! bound.
 
-use std::{fmt::Write as _, time::Duration};
+use std::fmt::Write as _;
 
 use ccl::{Config, Launcher};
 use serde::{Deserialize, Serialize};
@@ -47,7 +47,8 @@ pub struct SizeRow {
     /// The peer with the highest busbw at this size.
     pub best_peer: String,
     pub best_peer_busbw_gbps: f64,
-    /// ccl's busbw / the best peer's (above 1: ccl is faster than every peer).
+    /// ccl's busbw / the best peer's = the best peer's time / ccl's (above 1:
+    /// ccl is faster than every peer).
     pub ratio_to_best: f64,
     /// ccl's busbw / the memory bound's busbw.
     pub ccl_of_bound: Option<f64>,
@@ -146,8 +147,8 @@ fn head_lines(names: &[&str]) -> String {
         );
         let _ = write!(b, " {:>TIME_W$} {:>BW_W$}", "(us)", "(busbw)");
     }
-    let _ = write!(a, " {:>8} {:>8} {:>9}", "best", "ccl/best", "ccl/bound");
-    let _ = write!(b, " {:>8} {:>8} {:>9}", "peer", "(busbw)", "(busbw)");
+    let _ = write!(a, " {:>8} {:>8}", "best", "ccl/best");
+    let _ = write!(b, " {:>8} {:>8}", "peer", "(busbw)");
     format!("{}\n{}", a.trim_end(), b.trim_end())
 }
 
@@ -163,14 +164,7 @@ fn row_line(r: &SizeRow) -> String {
             p.row.time_us, p.row.busbw_gbps
         );
     }
-    let bound = r
-        .ccl_of_bound
-        .map_or_else(|| "-".to_string(), |b| format!("{b:.2}"));
-    let _ = write!(
-        s,
-        " {:>8} {:>8.2} {:>9}",
-        r.best_peer, r.ratio_to_best, bound
-    );
+    let _ = write!(s, " {:>8} {:>8.2}", r.best_peer, r.ratio_to_best);
     s
 }
 
@@ -302,7 +296,7 @@ fn write_outputs(plan: &Plan, rep: &PeersReport) -> Result<(), String> {
 
 /// Runs `compare`; returns the exit status.
 pub fn main(a: PeersArgs) -> i32 {
-    let plan = match args::common_plan(a.collective, &a.sizes, &a.common) {
+    let plan = match a.target.plan() {
         Ok(p) => p,
         Err(m) => return usage(&m),
     };
@@ -360,33 +354,19 @@ pub fn main(a: PeersArgs) -> i32 {
         }
     };
     let placement = ccl_run::describe_binding(plan.bind, n, &cpus);
-    let runs = (plan.iters + plan.warmup + 2) as u32;
-    let limit = plan
-        .timeout
-        .saturating_mul(runs)
-        .max(Duration::from_secs(60));
+    // One job (start, set-up, warm-up and timed calls of one size) may last
+    // three call deadlines: a peer that hangs fails the comparison in minutes.
+    let limit = plan.timeout.saturating_mul(3);
     let coll = plan.coll;
     let buffer = a.membw_size as usize;
 
-    let mut head = format!(
-        "# ccl-bench compare {}: {n} ranks on 1 host ({placement}), links {}, dtype {}",
+    println!(
+        "# ccl-bench compare {}: {n} ranks on 1 host ({placement}), links {}, dtype {}{}, {}, iters {}, warmup {}, rounds {}",
         coll.name(),
         link.name(),
-        plan.dtype
-    );
-    if coll.has_op() {
-        head += &format!(", op {}", plan.op);
-    }
-    if coll.has_root() {
-        head += &format!(", root {}", plan.root);
-    }
-    println!(
-        "{head}, {}, iters {}, warmup {}, rounds {}",
-        if plan.inplace {
-            "in-place"
-        } else {
-            "out-of-place"
-        },
+        plan.dtype,
+        plan.op_root_words(),
+        plan.form(),
         plan.iters,
         plan.warmup,
         a.rounds
@@ -407,7 +387,7 @@ pub fn main(a: PeersArgs) -> i32 {
         a.rounds
     );
     println!(
-        "# busbw as nccl-tests; ccl/best = ccl busbw / best peer's busbw (above 1, ccl is faster than every peer); ccl/bound = ccl busbw / memory bound"
+        "# busbw as nccl-tests; ccl/best = ccl busbw / best peer's busbw (above 1, ccl is faster than every peer)"
     );
     let before = membw::measure_both(n, &cpus, buffer);
     println!(
@@ -460,23 +440,20 @@ pub fn main(a: PeersArgs) -> i32 {
                 round_times_us: times,
             });
         }
+        // The fastest peer (= the highest busbw, every peer moving the same size).
         let best = results
             .iter()
-            .max_by(|x, y| x.row.busbw_gbps.total_cmp(&y.row.busbw_gbps))
+            .min_by(|x, y| x.row.time_us.total_cmp(&y.row.time_us))
             .expect("at least one peer");
-        let bound = membw::bound_busbw(coll, n, before);
         let row = SizeRow {
             size_bytes: ccl.size_bytes,
             count: ccl.count,
             best_peer: best.peer.clone(),
             best_peer_busbw_gbps: best.row.busbw_gbps,
-            ratio_to_best: if coll == Coll::Barrier {
-                ratio(best.row.time_us, ccl.time_us)
-            } else {
-                ratio(ccl.busbw_gbps, best.row.busbw_gbps)
-            },
-            ccl_of_bound: bound.map(|b| ratio(ccl.busbw_gbps, b)),
-            best_peer_of_bound: bound.map(|b| ratio(best.row.busbw_gbps, b)),
+            ratio_to_best: ratio(best.row.time_us, ccl.time_us),
+            // Filled in after the sweep, against the run's bound.
+            ccl_of_bound: None,
+            best_peer_of_bound: None,
             ccl,
             ccl_round_times_us: ccl_times,
             peers: results,
@@ -498,12 +475,24 @@ pub fn main(a: PeersArgs) -> i32 {
         after.copy_gbps, after.add_gbps, best.copy_gbps, best.add_gbps
     );
     match bound {
-        Some(b) => println!(
-            "# memory bound of {} at {n} ranks: busbw {b:.3} GB/s = {} (single-copy model, bench/README.md); ccl/bound above used {:.3}",
-            coll.name(),
-            membw::bound_formula(coll),
-            membw::bound_busbw(coll, n, before).unwrap_or(b)
-        ),
+        Some(b) => {
+            println!(
+                "# memory bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best copy and a += b (single-copy model, bench/README.md)",
+                coll.name(),
+                membw::bound_formula(coll),
+            );
+            let list = |f: &dyn Fn(&SizeRow) -> Option<f64>| {
+                rows.iter()
+                    .map(|r| f(r).map_or_else(|| "-".into(), |x| format!("{x:.2}")))
+                    .collect::<Vec<String>>()
+                    .join(" ")
+            };
+            println!(
+                "# busbw / bound, size by size: ccl {}; best peer {}",
+                list(&|r| r.ccl_of_bound),
+                list(&|r| r.best_peer_of_bound)
+            );
+        }
         None => println!("# memory bound: none for {} at {n} ranks", coll.name()),
     }
     let wins = rows.iter().filter(|r| r.ratio_to_best >= 1.0).count();
@@ -593,7 +582,7 @@ mod tests {
     #[test]
     fn table_has_a_column_pair_per_library() {
         let h = head_lines(&["ccl", "openmpi", "gloo"]);
-        for k in ["ccl us", "openmpi GB/s", "gloo us", "ccl/best", "ccl/bound"] {
+        for k in ["ccl us", "openmpi GB/s", "gloo us", "ccl/best"] {
             assert!(h.contains(k), "{h}");
         }
     }

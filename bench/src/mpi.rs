@@ -248,7 +248,9 @@ fn to_csv(rep: &CompareReport) -> String {
 
 /// Runs `compare-mpi`; returns the exit status.
 pub fn compare(a: CompareArgs) -> i32 {
-    let plan = match args::common_plan(a.collective, &a.sizes, &a.common)
+    let plan = match a
+        .target
+        .plan()
         .and_then(|p| check_mpi_types(&p).map(|()| p))
     {
         Ok(p) => p,
@@ -293,24 +295,12 @@ pub fn compare(a: CompareArgs) -> i32 {
     };
 
     let coll = plan.coll;
-    let mut head = format!(
-        "# ccl-bench compare-mpi {}: {n} ranks on 1 host, dtype {}",
-        coll.name(),
-        plan.dtype
-    );
-    if coll.has_op() {
-        head += &format!(", op {}", plan.op);
-    }
-    if coll.has_root() {
-        head += &format!(", root {}", plan.root);
-    }
     println!(
-        "{head}, {}, iters {}, warmup {}",
-        if plan.inplace {
-            "in-place"
-        } else {
-            "out-of-place"
-        },
+        "# ccl-bench compare-mpi {}: {n} ranks on 1 host, dtype {}{}, {}, iters {}, warmup {}",
+        coll.name(),
+        plan.dtype,
+        plan.op_root_words(),
+        plan.form(),
         plan.iters,
         plan.warmup
     );

@@ -214,27 +214,18 @@ fn header(
     let nh = distinct(hosts);
     let host_word = if nh.len() == 1 { "host" } else { "hosts" };
     let mut s = format!(
-        "# ccl-bench {}: {n} ranks on {} {host_word} ({}), transport {}, dtype {}",
+        "# ccl-bench {}: {n} ranks on {} {host_word} ({}), transport {}, dtype {}{}",
         plan.coll.name(),
         nh.len(),
         nh.join(", "),
         transport,
         plan.dtype,
+        plan.op_root_words(),
     );
-    if plan.coll.has_op() {
-        s += &format!(", op {}", plan.op);
-    }
-    if plan.coll.has_root() {
-        s += &format!(", root {}", plan.root);
-    }
     s += &format!(
         ", algo {}, {}, iters {}, warmup {}, check {}, timeout {}s\n",
         plan.algo_requested,
-        if plan.inplace {
-            "in-place"
-        } else {
-            "out-of-place"
-        },
+        plan.form(),
         plan.iters,
         plan.warmup,
         if plan.check { "on" } else { "off" },
