@@ -573,6 +573,24 @@ impl Plan {
         s
     }
 
+    /// The op as reports show it: its name, or `none` for collectives without one.
+    pub fn op_label(&self) -> String {
+        if self.coll.has_op() {
+            self.op.to_string()
+        } else {
+            "none".into()
+        }
+    }
+
+    /// The root as reports show it: its rank, or -1 for collectives without one.
+    pub fn root_label(&self) -> i64 {
+        if self.coll.has_root() {
+            self.root as i64
+        } else {
+            -1
+        }
+    }
+
     /// "in-place" or "out-of-place".
     pub fn form(&self) -> &'static str {
         if self.inplace {

@@ -528,16 +528,8 @@ pub fn main(a: PeersArgs) -> i32 {
             transport: link,
             placement,
             dtype: plan.dtype.name().into(),
-            op: if coll.has_op() {
-                plan.op.to_string()
-            } else {
-                "none".into()
-            },
-            root: if coll.has_root() {
-                plan.root as i64
-            } else {
-                -1
-            },
+            op: plan.op_label(),
+            root: plan.root_label(),
             inplace: plan.inplace,
             iters: plan.iters,
             warmup: plan.warmup,

@@ -403,8 +403,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
                 count: bytes / elem as u64,
                 count_per_rank: count as u64,
                 dtype: plan.dtype.name().into(),
-                op: op_label(plan),
-                root: root_label(plan),
+                op: plan.op_label(),
+                root: plan.root_label(),
                 algo: algo_label(comm, plan, count),
                 time_us: time * 1e6,
                 time_us_rank0: m.mine * 1e6,
@@ -440,8 +440,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             launcher,
             transport: plan.transport.clone(),
             dtype: plan.dtype.name().into(),
-            op: op_label(plan),
-            root: root_label(plan),
+            op: plan.op_label(),
+            root: plan.root_label(),
             algo_requested: plan.algo_requested.clone(),
             inplace: plan.inplace,
             check: plan.check,
@@ -516,22 +516,4 @@ fn series_by_choice(plan: &Plan, rows: &[Row]) -> Vec<Series> {
             }
         })
         .collect()
-}
-
-/// The op as reports show it: its name, or `none` for collectives without one.
-fn op_label(plan: &Plan) -> String {
-    if plan.coll.has_op() {
-        plan.op.to_string()
-    } else {
-        "none".into()
-    }
-}
-
-/// The root as reports show it: its rank, or -1 for collectives without one.
-fn root_label(plan: &Plan) -> i64 {
-    if plan.coll.has_root() {
-        plan.root as i64
-    } else {
-        -1
-    }
 }
