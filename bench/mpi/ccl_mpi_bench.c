@@ -218,8 +218,8 @@ int main(int argc, char **argv) {
     char version[MPI_MAX_LIBRARY_VERSION_STRING];
     int vlen;
     MPI_Get_library_version(version, &vlen);
-    char *nl = strchr(version, ',');
-    if (nl) *nl = '\0';
+    /* the first line, up to its first comma (MPICH's string has many lines) */
+    version[strcspn(version, ",\n")] = '\0';
     if (rank == 0) {
         printf("# ccl_mpi_bench %s: %d ranks, dtype %s, op %s, root %d, %s, iters %d, warmup %d\n",
                coll_names[c], nranks, dt->name, has_op(c) ? op->name : "none", root,

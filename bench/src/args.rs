@@ -9,7 +9,11 @@ use std::{
 use ccl::{Algorithm, Choice, DataType, ReduceOp};
 use clap::{Args, Parser, Subcommand};
 
-use crate::{coll::Coll, size};
+use crate::{
+    coll::Coll,
+    peers::{Link, PeerKind},
+    size,
+};
 use ccl_run::Bind;
 
 /// Default sweep when no size is given.
@@ -72,6 +76,8 @@ pub enum Cmd {
     Sendrecv(BenchArgs),
     /// Every rank waits for all others (sizes are ignored)
     Barrier(BenchArgs),
+    /// Run ccl and its peers (OpenMPI, MPICH, oneCCL, Gloo) interleaved on the same collective, sizes, ranks and links
+    Compare(PeersArgs),
     /// Run ccl and OpenMPI (shared memory, and TCP) alternately on the same sizes and ranks
     CompareMpi(CompareArgs),
     /// Fused allreduce of many tensors (ccl::Bucketer) against one allreduce of their total and one per tensor
@@ -82,6 +88,7 @@ pub enum Cmd {
 
 /// A subcommand that is not one collective's benchmark.
 pub enum Other {
+    Compare(Box<PeersArgs>),
     CompareMpi(Box<CompareArgs>),
     Bucketer(BucketerArgs),
     Tune(Box<TuneArgs>),
@@ -101,6 +108,7 @@ impl Cmd {
             Cmd::Scatter(a) => (Coll::Scatter, a),
             Cmd::Sendrecv(a) => (Coll::Sendrecv, a),
             Cmd::Barrier(a) => (Coll::Barrier, a),
+            Cmd::Compare(a) => return Err(Other::Compare(Box::new(a))),
             Cmd::CompareMpi(a) => return Err(Other::CompareMpi(Box::new(a))),
             Cmd::Bucketer(a) => return Err(Other::Bucketer(a)),
             Cmd::Tune(a) => return Err(Other::Tune(Box::new(a))),
@@ -276,9 +284,9 @@ pub struct BenchArgs {
     pub check: bool,
 }
 
-/// Flags of compare-mpi.
+/// What compare and compare-mpi measure.
 #[derive(Args, Debug, Clone)]
-pub struct CompareArgs {
+pub struct CompareTarget {
     /// The collective to compare
     #[arg(value_enum, value_name = "COLLECTIVE")]
     pub collective: Coll,
@@ -286,12 +294,74 @@ pub struct CompareArgs {
     pub sizes: SizeArgs,
     #[command(flatten)]
     pub common: CommonArgs,
+}
+
+impl CompareTarget {
+    pub fn plan(&self) -> Result<Plan, String> {
+        common_plan(self.collective, &self.sizes, &self.common)
+    }
+}
+
+/// Flags of compare-mpi.
+#[derive(Args, Debug, Clone)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub target: CompareTarget,
     /// mpirun to launch OpenMPI with
     #[arg(long, value_name = "PATH", default_value = "mpirun")]
     pub mpirun: String,
     /// mpicc to build the OpenMPI benchmark with (into the target directory)
     #[arg(long, value_name = "PATH", default_value = "mpicc")]
     pub mpicc: String,
+}
+
+/// Flags of `compare`.
+#[derive(Args, Debug, Clone)]
+pub struct PeersArgs {
+    #[command(flatten)]
+    pub target: CompareTarget,
+    /// Peers to run beside ccl, comma-separated (each must be installed and run, or the comparison fails)
+    #[arg(
+        long,
+        value_name = "PEER,...",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "openmpi,mpich,oneccl,gloo"
+    )]
+    pub peers: Vec<PeerKind>,
+    /// Links every library is forced onto: shm (shared memory between the local ranks) or tcp (loopback); Gloo has TCP only
+    #[arg(
+        short = 't',
+        long,
+        value_name = "LINK",
+        value_enum,
+        default_value = "shm"
+    )]
+    pub transport: Link,
+    /// Rounds per size: each runs ccl and every peer once, in an order rotated per round; the median round counts
+    #[arg(long, value_name = "N", default_value = "1", value_parser = positive_arg)]
+    pub rounds: usize,
+    /// Buffer per thread of the memory-bound measurement (copy and a += b)
+    #[arg(long, value_name = "SIZE", default_value = "64MB", value_parser = size_arg)]
+    pub membw_size: u64,
+    /// OpenMPI's mpicc
+    #[arg(long, value_name = "PATH", default_value = "mpicc.openmpi")]
+    pub openmpi_mpicc: String,
+    /// OpenMPI's mpirun
+    #[arg(long, value_name = "PATH", default_value = "mpirun.openmpi")]
+    pub openmpi_mpirun: String,
+    /// MPICH's mpicc
+    #[arg(long, value_name = "PATH", default_value = "mpicc.mpich")]
+    pub mpich_mpicc: String,
+    /// MPICH's mpirun (Hydra)
+    #[arg(long, value_name = "PATH", default_value = "mpirun.mpich")]
+    pub mpich_mpirun: String,
+    /// Where oneCCL's wheels are installed (a venv: include/, lib/) [default: TARGET/oneccl]
+    #[arg(long, value_name = "DIR")]
+    pub oneccl: Option<PathBuf>,
+    /// A Python with torch, for Gloo [default: TARGET/venv/bin/python]
+    #[arg(long, value_name = "PATH")]
+    pub python: Option<PathBuf>,
 }
 
 /// One benchmark run, validated.
@@ -492,6 +562,45 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
 }
 
 impl Plan {
+    /// ", op sum, root 0": the op and root, where the collective has them.
+    pub fn op_root_words(&self) -> String {
+        let mut s = String::new();
+        if self.coll.has_op() {
+            s += &format!(", op {}", self.op);
+        }
+        if self.coll.has_root() {
+            s += &format!(", root {}", self.root);
+        }
+        s
+    }
+
+    /// The op as reports show it: its name, or `none` for collectives without one.
+    pub fn op_label(&self) -> String {
+        if self.coll.has_op() {
+            self.op.to_string()
+        } else {
+            "none".into()
+        }
+    }
+
+    /// The root as reports show it: its rank, or -1 for collectives without one.
+    pub fn root_label(&self) -> i64 {
+        if self.coll.has_root() {
+            self.root as i64
+        } else {
+            -1
+        }
+    }
+
+    /// "in-place" or "out-of-place".
+    pub fn form(&self) -> &'static str {
+        if self.inplace {
+            "in-place"
+        } else {
+            "out-of-place"
+        }
+    }
+
     /// Validation that needs the number of ranks.
     pub fn check_world(&self, n: usize) -> Result<(), String> {
         if self.coll.has_root() && self.root >= n {

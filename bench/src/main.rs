@@ -2,14 +2,18 @@
 //!
 //! `ccl-bench allreduce --size 256MB` starts local ranks (or joins a launcher's
 //! job), times the collective, and prints a table of time, algorithm and bus
-//! bandwidth per size; `ccl-bench compare-mpi allreduce ...` runs OpenMPI on
-//! the same sizes and ranks. See bench/README.md.
+//! bandwidth per size; `ccl-bench compare allreduce ...` runs OpenMPI, MPICH,
+//! oneCCL and Gloo interleaved with ccl on the same sizes, ranks and links
+//! (`compare-mpi`: OpenMPI alone, shared memory and TCP). See bench/README.md.
 
 mod args;
 mod bucketer;
 mod coll;
+mod compare;
 mod data;
+mod membw;
 mod mpi;
+mod peers;
 mod plot;
 mod report;
 mod size;
@@ -70,7 +74,7 @@ fn one_line(e: &clap::Error) -> String {
         ErrorKind::InvalidSubcommand => {
             let names: Vec<&str> = Coll::ALL.iter().map(|c| c.name()).collect();
             line += &format!(
-                " (expected a collective: {}, compare-mpi, bucketer or tune)",
+                " (expected a collective: {}, compare, compare-mpi, bucketer or tune)",
                 names.join(", ")
             );
         }
@@ -103,6 +107,7 @@ fn run(started: SystemTime) -> i32 {
     };
     match cli.cmd.bench() {
         Ok((coll, args)) => bench(coll, &args, started),
+        Err(args::Other::Compare(a)) => compare::main(*a),
         Err(args::Other::CompareMpi(compare)) => mpi::compare(*compare),
         Err(args::Other::Bucketer(args)) => bucketer::main(args, started),
         Err(args::Other::Tune(args)) => tune::tune(*args),

@@ -214,27 +214,18 @@ fn header(
     let nh = distinct(hosts);
     let host_word = if nh.len() == 1 { "host" } else { "hosts" };
     let mut s = format!(
-        "# ccl-bench {}: {n} ranks on {} {host_word} ({}), transport {}, dtype {}",
+        "# ccl-bench {}: {n} ranks on {} {host_word} ({}), transport {}, dtype {}{}",
         plan.coll.name(),
         nh.len(),
         nh.join(", "),
         transport,
         plan.dtype,
+        plan.op_root_words(),
     );
-    if plan.coll.has_op() {
-        s += &format!(", op {}", plan.op);
-    }
-    if plan.coll.has_root() {
-        s += &format!(", root {}", plan.root);
-    }
     s += &format!(
         ", algo {}, {}, iters {}, warmup {}, check {}, timeout {}s\n",
         plan.algo_requested,
-        if plan.inplace {
-            "in-place"
-        } else {
-            "out-of-place"
-        },
+        plan.form(),
         plan.iters,
         plan.warmup,
         if plan.check { "on" } else { "off" },
@@ -420,8 +411,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
                 count: bytes / elem as u64,
                 count_per_rank: count as u64,
                 dtype: plan.dtype.name().into(),
-                op: op_label(plan),
-                root: root_label(plan),
+                op: plan.op_label(),
+                root: plan.root_label(),
                 algo: algo_label(comm, plan, count),
                 time_us: time * 1e6,
                 time_us_rank0: m.mine * 1e6,
@@ -457,8 +448,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             launcher,
             transport: plan.transport.clone(),
             dtype: plan.dtype.name().into(),
-            op: op_label(plan),
-            root: root_label(plan),
+            op: plan.op_label(),
+            root: plan.root_label(),
             algo_requested: plan.algo_requested.clone(),
             inplace: plan.inplace,
             check: plan.check,
@@ -533,22 +524,4 @@ fn series_by_choice(plan: &Plan, rows: &[Row]) -> Vec<Series> {
             }
         })
         .collect()
-}
-
-/// The op as reports show it: its name, or `none` for collectives without one.
-fn op_label(plan: &Plan) -> String {
-    if plan.coll.has_op() {
-        plan.op.to_string()
-    } else {
-        "none".into()
-    }
-}
-
-/// The root as reports show it: its rank, or -1 for collectives without one.
-fn root_label(plan: &Plan) -> i64 {
-    if plan.coll.has_root() {
-        plan.root as i64
-    } else {
-        -1
-    }
 }

@@ -330,6 +330,20 @@ fn bad_input_is_one_line_and_exit_2() {
         vec!["allreduce", "--json", missing.to_str().unwrap()],
         vec!["compare-mpi", "frobnicate"],
         vec!["compare-mpi", "allreduce", "--dtype", "f16"],
+        vec!["compare", "allreduce", "--peers", "nccl"],
+        vec!["compare", "allreduce", "--transport", "ib"],
+        vec!["compare", "gather"],
+        vec!["compare", "allreduce", "--peers", "gloo", "--dtype", "u32"],
+        vec![
+            "compare",
+            "allreduce",
+            "--peers",
+            "oneccl",
+            "--op",
+            "band",
+            "--dtype",
+            "i32",
+        ],
     ]
     .into_iter()
     .map(|v| v.into_iter().map(String::from).collect())
@@ -633,6 +647,94 @@ fn compare_mpi_runs_openmpi() {
         .unwrap()
         .starts_with("Open MPI"));
     assert_png(&png);
+    assert_no_strays(&mark);
+}
+
+/// Every peer of `compare` must run: OpenMPI, MPICH, oneCCL (its wheels in
+/// target/oneccl) and Gloo (torch in target/venv), as scripts/test installs
+/// them. A missing peer fails this test; it is never skipped.
+#[test]
+fn compare_runs_every_peer() {
+    let (mark, dir) = scratch("peers");
+    for (link, sizes) in [
+        ("shm", ["-b", "8", "-e", "64KB"]),
+        ("tcp", ["-b", "64KB", "-e", "64KB"]),
+    ] {
+        let (json, csv, png) = (
+            dir.join(format!("{link}.json")),
+            dir.join(format!("{link}.csv")),
+            dir.join(format!("{link}.png")),
+        );
+        let mut args = vec!["compare", "allreduce"];
+        args.extend(sizes);
+        args.extend([
+            "-f", "8192", "--ranks", "2", "--iters", "3", "--warmup", "1",
+        ]);
+        args.extend(["--transport", link, "--membw-size", "4MB"]);
+        args.extend([
+            "--json",
+            json.to_str().unwrap(),
+            "--csv",
+            csv.to_str().unwrap(),
+        ]);
+        args.extend(["--plot", png.to_str().unwrap()]);
+        let out = run(&mark, &args);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(
+            out.status.success(),
+            "compare over {link} failed (are all four peers installed? scripts/test installs them)\n{stdout}\n{stderr}"
+        );
+        let v = read_json(&json);
+        assert_eq!(v["config"]["transport"], link);
+        let peers: Vec<&str> = v["config"]["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(peers, ["openmpi", "mpich", "oneccl", "gloo"], "{v}");
+        for p in v["config"]["peers"].as_array().unwrap() {
+            assert!(!p["version"].as_str().unwrap().is_empty(), "{p}");
+        }
+        let rows = v["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), if link == "shm" { 2 } else { 1 }, "{v}");
+        for r in rows {
+            assert!(r["ccl"]["busbw_gbps"].as_f64().unwrap() > 0.0, "{r}");
+            let ps = r["peers"].as_array().unwrap();
+            assert_eq!(ps.len(), 4, "{r}");
+            for p in ps {
+                assert_eq!(p["size_bytes"], r["size_bytes"], "{r}");
+                assert!(p["busbw_gbps"].as_f64().unwrap() > 0.0, "{p}");
+            }
+            assert!(r["ratio_to_best"].as_f64().unwrap() > 0.0, "{r}");
+        }
+        let m = &v["memory"];
+        assert!(m["best"]["copy_gbps"].as_f64().unwrap() > 0.0, "{m}");
+        assert!(m["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{m}");
+        let csv_text = std::fs::read_to_string(&csv).unwrap();
+        assert_eq!(csv_text.lines().count(), 1 + rows.len() * 5, "{csv_text}");
+        assert_png(&png);
+    }
+    // A peer that is not there fails the run (exit 1), naming it.
+    let out = run(
+        &mark,
+        &[
+            "compare",
+            "allreduce",
+            "--size",
+            "8B",
+            "--peers",
+            "oneccl",
+            "--oneccl",
+            dir.join("no-oneccl").to_str().unwrap(),
+        ],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with("ccl-bench: compare: oneccl: "),
+        "{stderr}"
+    );
     assert_no_strays(&mark);
 }
 

@@ -1,0 +1,581 @@
+//! `compare`: ccl and its peers (OpenMPI, MPICH, oneCCL, Gloo) on the same
+//! collective, type, sizes, rank count, placement and links, in one run.
+//!
+//! For every size, each of `--rounds` rounds starts a fresh job of ccl and of
+//! every peer, one after the other, in an order rotated from round to round,
+//! so that a slow drift of a noisy machine hits all alike; the round with the
+//! median time counts for each. The memory bound (a plain copy and a plain
+//! `a += b`, on as many threads as ranks, placed as the ranks) is measured
+//! before and after the sweep, and the better of the two counts. One
+//! nccl-tests-style table gives every library's time and busbw per size, the
+//! best peer, ccl's busbw over the best peer's, and ccl's busbw over the
+//! bound.
+
+use std::fmt::Write as _;
+
+use ccl::{Config, Launcher};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    args::{self, PeersArgs, Plan},
+    coll::Coll,
+    membw::{self, MemBw},
+    peers::{self, Link, Peer, PeerKind, PeerRow, PeerTools},
+    plot::{self, Series},
+    report::{self, Row, Versions},
+    size::format_size,
+};
+
+/// One peer's figures for one size.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerResult {
+    pub peer: String,
+    #[serde(flatten)]
+    pub row: PeerRow,
+    /// Every round's time (mean over iterations of the slowest rank), in run order.
+    pub round_times_us: Vec<f64>,
+}
+
+/// One size of the comparison.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SizeRow {
+    pub size_bytes: u64,
+    pub count: u64,
+    pub ccl: Row,
+    pub ccl_round_times_us: Vec<f64>,
+    pub peers: Vec<PeerResult>,
+    /// The peer with the highest busbw at this size.
+    pub best_peer: String,
+    pub best_peer_busbw_gbps: f64,
+    /// ccl's busbw / the best peer's = the best peer's time / ccl's (above 1:
+    /// ccl is faster than every peer).
+    pub ratio_to_best: f64,
+    /// ccl's busbw / the memory bound's busbw.
+    pub ccl_of_bound: Option<f64>,
+    /// The best peer's busbw / the memory bound's busbw.
+    pub best_peer_of_bound: Option<f64>,
+}
+
+/// A peer as it ran.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerInfo {
+    pub name: String,
+    /// The library's own words (from its benchmark's `# library:` line).
+    pub version: String,
+    /// How its ranks were started, with the variables set for them.
+    pub launch: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeersConfig {
+    pub collective: String,
+    pub ranks: usize,
+    /// shm or tcp: the links every library was forced onto (Gloo: TCP always).
+    pub transport: Link,
+    pub placement: String,
+    pub dtype: String,
+    pub op: String,
+    pub root: i64,
+    pub inplace: bool,
+    pub iters: usize,
+    pub warmup: usize,
+    pub rounds: usize,
+    pub sizes_requested: Vec<u64>,
+    pub ccl_launch: String,
+    pub peers: Vec<PeerInfo>,
+    pub time_definition: String,
+    pub round_definition: String,
+}
+
+/// The memory bound of the run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct MemoryBound {
+    pub threads: usize,
+    pub buffer_bytes: u64,
+    pub before: MemBw,
+    pub after: MemBw,
+    /// The better of before and after, kernel by kernel.
+    pub best: MemBw,
+    /// The busbw the collective would reach doing only its memory work at `best`.
+    pub bound_busbw_gbps: Option<f64>,
+    pub formula: String,
+    pub definition: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeersReport {
+    pub tool: String,
+    pub config: PeersConfig,
+    pub memory: MemoryBound,
+    pub rows: Vec<SizeRow>,
+    pub versions: Versions,
+    pub unix_time: u64,
+}
+
+const BOUND_DEFINITION: &str = "copy: dst.copy_from_slice(src), a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
+
+fn usage(msg: &str) -> i32 {
+    eprintln!("ccl-bench: compare: {msg}");
+    2
+}
+
+fn fail(msg: &str) -> i32 {
+    eprintln!("ccl-bench: compare: {msg}");
+    1
+}
+
+/// The index of the median of `times` (the lower one of an even count).
+fn median_index(times: &[f64]) -> usize {
+    let mut idx: Vec<usize> = (0..times.len()).collect();
+    idx.sort_by(|&a, &b| times[a].total_cmp(&times[b]));
+    idx[(idx.len().saturating_sub(1)) / 2]
+}
+
+/// The columns of one library: its time and busbw.
+const TIME_W: usize = 10;
+const BW_W: usize = 12;
+
+fn head_lines(names: &[&str]) -> String {
+    let mut a = format!("#  {:>12} {:>12} {:>13}", "size", "count", "ccl algo");
+    let mut b = format!("#  {:>12} {:>12} {:>13}", "(B)", "(elements)", "");
+    for n in names {
+        let _ = write!(
+            a,
+            " {:>TIME_W$} {:>BW_W$}",
+            format!("{n} us"),
+            format!("{n} GB/s")
+        );
+        let _ = write!(b, " {:>TIME_W$} {:>BW_W$}", "(us)", "(busbw)");
+    }
+    let _ = write!(a, " {:>8} {:>8}", "best", "ccl/best");
+    let _ = write!(b, " {:>8} {:>8}", "peer", "(busbw)");
+    format!("{}\n{}", a.trim_end(), b.trim_end())
+}
+
+fn row_line(r: &SizeRow) -> String {
+    let mut s = format!(
+        "   {:>12} {:>12} {:>13} {:>TIME_W$.2} {:>BW_W$.3}",
+        r.size_bytes, r.count, r.ccl.algo, r.ccl.time_us, r.ccl.busbw_gbps
+    );
+    for p in &r.peers {
+        let _ = write!(
+            s,
+            " {:>TIME_W$.2} {:>BW_W$.3}",
+            p.row.time_us, p.row.busbw_gbps
+        );
+    }
+    let _ = write!(s, " {:>8} {:>8.2}", r.best_peer, r.ratio_to_best);
+    s
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+fn to_csv(rep: &PeersReport) -> String {
+    let c = &rep.config;
+    let mut s = String::from(
+        "collective,ranks,transport,dtype,op,root,inplace,iters,warmup,rounds,size_bytes,count,\
+         library,version,time_us,median_time_us,algbw_gbps,busbw_gbps,best_peer,ccl_ratio_to_best,\
+         copy_gbps,add_gbps,bound_busbw_gbps\n",
+    );
+    let version = |name: &str| {
+        c.peers
+            .iter()
+            .find(|p| p.name == name)
+            .map_or_else(String::new, |p| p.version.clone())
+    };
+    for r in &rep.rows {
+        let ccl = ("ccl", rep.versions.ccl.clone(), &r.ccl);
+        let mut lines = vec![(
+            ccl.0.to_string(),
+            ccl.1,
+            ccl.2.time_us,
+            ccl.2.median_time_us,
+            ccl.2.algbw_gbps,
+            ccl.2.busbw_gbps,
+        )];
+        for p in &r.peers {
+            lines.push((
+                p.peer.clone(),
+                version(&p.peer),
+                p.row.time_us,
+                p.row.median_time_us,
+                p.row.algbw_gbps,
+                p.row.busbw_gbps,
+            ));
+        }
+        for (lib, ver, t, med, alg, bus) in lines {
+            let fields = [
+                c.collective.clone(),
+                c.ranks.to_string(),
+                c.transport.name().to_string(),
+                c.dtype.clone(),
+                c.op.clone(),
+                c.root.to_string(),
+                c.inplace.to_string(),
+                c.iters.to_string(),
+                c.warmup.to_string(),
+                c.rounds.to_string(),
+                r.size_bytes.to_string(),
+                r.count.to_string(),
+                lib,
+                ver,
+                format!("{t:.3}"),
+                format!("{med:.3}"),
+                format!("{alg:.6}"),
+                format!("{bus:.6}"),
+                r.best_peer.clone(),
+                format!("{:.4}", r.ratio_to_best),
+                format!("{:.3}", rep.memory.best.copy_gbps),
+                format!("{:.3}", rep.memory.best.add_gbps),
+                rep.memory
+                    .bound_busbw_gbps
+                    .map_or_else(String::new, |b| format!("{b:.3}")),
+            ];
+            let line: Vec<String> = fields.iter().map(|f| report::csv_field(f)).collect();
+            s.push_str(&line.join(","));
+            s.push('\n');
+        }
+    }
+    s
+}
+
+fn write_outputs(plan: &Plan, rep: &PeersReport) -> Result<(), String> {
+    if let Some(p) = &plan.json {
+        report::write_file(p, &report::to_json(rep))?;
+    }
+    if let Some(p) = &plan.csv {
+        report::write_file(p, &to_csv(rep))?;
+    }
+    if let Some(p) = &plan.plot {
+        let mut series = vec![Series {
+            label: format!("ccl ({})", rep.config.transport.name()),
+            points: rep
+                .rows
+                .iter()
+                .map(|r| (r.size_bytes, r.ccl.busbw_gbps))
+                .collect(),
+        }];
+        for (i, info) in rep.config.peers.iter().enumerate() {
+            let on = match (info.name.as_str(), rep.config.transport) {
+                ("gloo", _) | (_, Link::Tcp) => "tcp",
+                (_, Link::Shm) => "shm",
+            };
+            series.push(Series {
+                label: format!("{} ({on})", info.name),
+                points: rep
+                    .rows
+                    .iter()
+                    .map(|r| (r.size_bytes, r.peers[i].row.busbw_gbps))
+                    .collect(),
+            });
+        }
+        if let Some(b) = rep.memory.bound_busbw_gbps {
+            series.push(Series {
+                label: format!("memory bound ({})", rep.memory.formula),
+                points: rep.rows.iter().map(|r| (r.size_bytes, b)).collect(),
+            });
+        }
+        let c = &rep.config;
+        let title = format!(
+            "{}: ccl vs peers, {} ranks, {}, {}",
+            c.collective,
+            c.ranks,
+            c.dtype,
+            c.transport.name()
+        );
+        plot::plot_busbw(p, &title, &series)?;
+    }
+    Ok(())
+}
+
+/// Runs `compare`; returns the exit status.
+pub fn main(a: PeersArgs) -> i32 {
+    let plan = match a.target.plan() {
+        Ok(p) => p,
+        Err(m) => return usage(&m),
+    };
+    match Config::from_env() {
+        Ok(c) if c.launcher != Launcher::None => {
+            return usage("compare starts its own ranks: run it without a launcher")
+        }
+        Err(e) => return usage(&e.to_string()),
+        Ok(_) => {}
+    }
+    let n = plan.ranks.unwrap_or_else(args::default_ranks);
+    if let Err(m) = plan.check_world(n) {
+        return usage(&m);
+    }
+    let mut kinds: Vec<PeerKind> = Vec::new();
+    for k in &a.peers {
+        if !kinds.contains(k) {
+            kinds.push(*k);
+        }
+    }
+    if kinds.is_empty() {
+        return usage("--peers: name at least one of openmpi, mpich, oneccl, gloo");
+    }
+    for k in &kinds {
+        if let Err(m) = k.supports(&plan) {
+            return usage(&m);
+        }
+    }
+    let target = peers::target_dir().unwrap_or_else(|| "target".into());
+    let tools = PeerTools {
+        openmpi_mpicc: a.openmpi_mpicc.clone(),
+        openmpi_mpirun: a.openmpi_mpirun.clone(),
+        mpich_mpicc: a.mpich_mpicc.clone(),
+        mpich_mpirun: a.mpich_mpirun.clone(),
+        oneccl: a.oneccl.clone().unwrap_or_else(|| target.join("oneccl")),
+        python: a
+            .python
+            .clone()
+            .unwrap_or_else(|| target.join("venv").join("bin").join("python")),
+    };
+    let link = a.transport;
+    let mut peers = Vec::with_capacity(kinds.len());
+    for k in &kinds {
+        match Peer::prepare(*k, &tools, n, plan.bind, link) {
+            Ok(p) => peers.push(p),
+            Err(m) => return fail(&format!("{}: {m}", k.name())),
+        }
+    }
+    let cpus = match plan.bind.cpus() {
+        Ok(c) => c,
+        Err(e) => {
+            return fail(&format!(
+                "--bind core: cannot read the CPUs it may use: {e}"
+            ))
+        }
+    };
+    let placement = ccl_run::describe_binding(plan.bind, n, &cpus);
+    // One job (start, set-up, warm-up and timed calls of one size) may last
+    // three call deadlines: a peer that hangs fails the comparison in minutes.
+    let limit = plan.timeout.saturating_mul(3);
+    let coll = plan.coll;
+    let buffer = a.membw_size as usize;
+
+    println!(
+        "# ccl-bench compare {}: {n} ranks on 1 host ({placement}), links {}, dtype {}{}, {}, iters {}, warmup {}, rounds {}",
+        coll.name(),
+        link.name(),
+        plan.dtype,
+        plan.op_root_words(),
+        plan.form(),
+        plan.iters,
+        plan.warmup,
+        a.rounds
+    );
+    let ccl_launch = format!(
+        "ccl-bench {} --ranks {n} --bind {} --transport {} (local processes {placement})",
+        coll.name(),
+        plan.bind.name(),
+        link.name()
+    );
+    println!("# ccl {}: {ccl_launch}", env!("CARGO_PKG_VERSION"));
+    for p in &peers {
+        println!("# {}: {}", p.kind.name(), p.launch);
+    }
+    println!(
+        "# each size: every library in a fresh job, in an order rotated per round; time = mean over iterations of the slowest rank ({} of {} rounds)",
+        if a.rounds > 1 { "the median" } else { "one" },
+        a.rounds
+    );
+    println!(
+        "# busbw as nccl-tests; ccl/best = ccl busbw / best peer's busbw (above 1, ccl is faster than every peer)"
+    );
+    let before = membw::measure_both(n, &cpus, buffer);
+    println!(
+        "# memory (before): copy {:.2} GB/s, a += b {:.2} GB/s ({n} threads placed as the ranks, {} each)",
+        before.copy_gbps,
+        before.add_gbps,
+        format_size(buffer as u64)
+    );
+    let mut names = vec!["ccl"];
+    names.extend(peers.iter().map(|p| p.kind.name()));
+    println!("#\n{}", head_lines(&names));
+
+    let mut rows: Vec<SizeRow> = Vec::new();
+    for &bytes in &plan.sizes {
+        let entries = peers.len() + 1;
+        let mut ccl_rounds: Vec<Row> = Vec::new();
+        let mut peer_rounds: Vec<Vec<PeerRow>> = vec![Vec::new(); peers.len()];
+        for round in 0..a.rounds {
+            for k in 0..entries {
+                let e = (k + round) % entries;
+                let r = if e == 0 {
+                    peers::run_ccl(&plan, n, link.name(), bytes, limit).map(|r| ccl_rounds.push(r))
+                } else {
+                    peers[e - 1]
+                        .run(&plan, n, bytes, limit)
+                        .map(|r| peer_rounds[e - 1].push(r))
+                };
+                if let Err(m) = r {
+                    return fail(&m);
+                }
+            }
+        }
+        let ccl_times: Vec<f64> = ccl_rounds.iter().map(|r| r.time_us).collect();
+        let ccl = ccl_rounds.swap_remove(median_index(&ccl_times));
+        let mut results = Vec::with_capacity(peers.len());
+        for (p, mut rounds) in peers.iter().zip(peer_rounds) {
+            let times: Vec<f64> = rounds.iter().map(|r| r.time_us).collect();
+            let row = rounds.swap_remove(median_index(&times));
+            if row.size_bytes != ccl.size_bytes && coll != Coll::Barrier {
+                return fail(&format!(
+                    "ccl and {} measured different sizes ({} and {} bytes)",
+                    p.kind.name(),
+                    ccl.size_bytes,
+                    row.size_bytes
+                ));
+            }
+            results.push(PeerResult {
+                peer: p.kind.name().into(),
+                row,
+                round_times_us: times,
+            });
+        }
+        // The fastest peer (= the highest busbw, every peer moving the same size).
+        let best = results
+            .iter()
+            .min_by(|x, y| x.row.time_us.total_cmp(&y.row.time_us))
+            .expect("at least one peer");
+        let row = SizeRow {
+            size_bytes: ccl.size_bytes,
+            count: ccl.count,
+            best_peer: best.peer.clone(),
+            best_peer_busbw_gbps: best.row.busbw_gbps,
+            ratio_to_best: ratio(best.row.time_us, ccl.time_us),
+            // Filled in after the sweep, against the run's bound.
+            ccl_of_bound: None,
+            best_peer_of_bound: None,
+            ccl,
+            ccl_round_times_us: ccl_times,
+            peers: results,
+        };
+        println!("{}", row_line(&row));
+        rows.push(row);
+    }
+
+    let after = membw::measure_both(n, &cpus, buffer);
+    let best = before.max(after);
+    let bound = membw::bound_busbw(coll, n, best);
+    for r in &mut rows {
+        // The bound of the whole run: the better measurement.
+        r.ccl_of_bound = bound.map(|b| ratio(r.ccl.busbw_gbps, b));
+        r.best_peer_of_bound = bound.map(|b| ratio(r.best_peer_busbw_gbps, b));
+    }
+    println!(
+        "# memory (after): copy {:.2} GB/s, a += b {:.2} GB/s; best: copy {:.2}, a += b {:.2}",
+        after.copy_gbps, after.add_gbps, best.copy_gbps, best.add_gbps
+    );
+    match bound {
+        Some(b) => {
+            println!(
+                "# memory bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best copy and a += b (single-copy model, bench/README.md)",
+                coll.name(),
+                membw::bound_formula(coll),
+            );
+            let list = |f: &dyn Fn(&SizeRow) -> Option<f64>| {
+                rows.iter()
+                    .map(|r| f(r).map_or_else(|| "-".into(), |x| format!("{x:.2}")))
+                    .collect::<Vec<String>>()
+                    .join(" ")
+            };
+            println!(
+                "# busbw / bound, size by size: ccl {}; best peer {}",
+                list(&|r| r.ccl_of_bound),
+                list(&|r| r.best_peer_of_bound)
+            );
+        }
+        None => println!("# memory bound: none for {} at {n} ranks", coll.name()),
+    }
+    let wins = rows.iter().filter(|r| r.ratio_to_best >= 1.0).count();
+    let worst = rows
+        .iter()
+        .min_by(|x, y| x.ratio_to_best.total_cmp(&y.ratio_to_best));
+    if let Some(w) = worst {
+        println!(
+            "# ccl at or above the best peer at {wins} of {} sizes; lowest ccl/best {:.2} at {} ({})",
+            rows.len(),
+            w.ratio_to_best,
+            format_size(w.size_bytes),
+            w.best_peer
+        );
+    }
+    let infos: Vec<PeerInfo> = peers
+        .iter()
+        .map(|p| PeerInfo {
+            name: p.kind.name().into(),
+            version: p.version.clone().unwrap_or_else(|| p.kind.name().into()),
+            launch: p.launch.clone(),
+        })
+        .collect();
+    for i in &infos {
+        println!("# {}: {}", i.name, i.version);
+    }
+
+    let rep = PeersReport {
+        tool: "ccl-bench compare".into(),
+        config: PeersConfig {
+            collective: coll.name().into(),
+            ranks: n,
+            transport: link,
+            placement,
+            dtype: plan.dtype.name().into(),
+            op: plan.op_label(),
+            root: plan.root_label(),
+            inplace: plan.inplace,
+            iters: plan.iters,
+            warmup: plan.warmup,
+            rounds: a.rounds,
+            sizes_requested: plan.sizes.clone(),
+            ccl_launch,
+            peers: infos,
+            time_definition: report::TIME_DEFINITION.into(),
+            round_definition: "each size: every library once per round in a fresh job, the order rotated by one per round; the round with the median time counts".into(),
+        },
+        memory: MemoryBound {
+            threads: n,
+            buffer_bytes: buffer as u64,
+            before,
+            after,
+            best,
+            bound_busbw_gbps: bound,
+            formula: membw::bound_formula(coll).into(),
+            definition: BOUND_DEFINITION.into(),
+        },
+        rows,
+        versions: Versions::current(),
+        unix_time: report::unix_time(),
+    };
+    if let Err(m) = write_outputs(&plan, &rep) {
+        return fail(&m);
+    }
+    0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_round() {
+        assert_eq!(median_index(&[3.0, 1.0, 2.0]), 2);
+        assert_eq!(median_index(&[5.0]), 0);
+        assert_eq!(median_index(&[4.0, 1.0, 3.0, 2.0]), 3);
+    }
+
+    #[test]
+    fn table_has_a_column_pair_per_library() {
+        let h = head_lines(&["ccl", "openmpi", "gloo"]);
+        for k in ["ccl us", "openmpi GB/s", "gloo us", "ccl/best"] {
+            assert!(h.contains(k), "{h}");
+        }
+    }
+}
