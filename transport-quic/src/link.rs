@@ -14,25 +14,22 @@
 //! stream is the n-th opened one, and pieces land straight in the caller's
 //! buffer at their offset.
 //!
-//! A send returns once its pieces are in quinn's send buffer (bounded by
-//! the connection's send window), so that the next message of a pipeline
-//! follows at once rather than a round trip later. The kernel does not
-//! flush QUIC for a process that exits, so what is sent but not yet
-//! acknowledged is counted (a task per piece waits on quinn's
-//! `SendStream::stopped`), and the process waits (at most [`LINGER`]) for
-//! the count to fall to zero when it exits (an `atexit` hook, which
-//! `std::process::exit` and a return from `main` both run) and when a link
-//! is dropped: a rank that finishes and exits never loses data its peer
-//! still has to read. Receivers acknowledge every ack-eliciting packet at
-//! once (the ack-frequency extension, threshold 0, see `transport_config`),
-//! so that nobody waits for quinn's ack delay. A dropped link then closes; streams received before a close can still be accepted and read
+//! A send returns once the peer acknowledged every piece (quinn's
+//! `SendStream::stopped`): a rank that finishes and exits (without dropping
+//! its communicator, the kernel does not flush QUIC for it) never loses data
+//! its peer still has to read. Receivers acknowledge every ack-eliciting
+//! packet at once (the ack-frequency extension, threshold 0, see
+//! `transport_config`), so that a send does not wait for quinn's ack delay and
+//! a peer that exits right after reading has acknowledged already. A dropped
+//! link waits (at most [`LINGER`]) for what is still unacknowledged, then
+//! closes; streams received before a close can still be accepted and read
 //! (quinn's `poll_accept`). An abort closes the connection with
 //! [`ABORT_CODE`] and the encoded [`AbortNotice`] as the reason, which the
 //! peer turns into [`Error::PeerLost`] naming the rank that failed first.
 
 use std::sync::{
     atomic::{AtomicBool, Ordering},
-    Condvar, Mutex as StdMutex,
+    Arc, Condvar, Mutex as StdMutex,
 };
 use std::time::Duration;
 
@@ -69,6 +66,8 @@ pub(crate) struct QuicLink {
     sending: Mutex<()>,
     receiving: Mutex<()>,
     aborted: AtomicBool,
+    /// Streams sent and not yet acknowledged.
+    unacked: Arc<Unacked>,
     /// Keeps the accepting task (strangers are logged) as long as a link lives.
     _guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
 }
@@ -84,7 +83,6 @@ impl QuicLink {
         runtime: tokio::runtime::Handle,
         guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
     ) -> QuicLink {
-        flush_at_exit_once();
         QuicLink {
             rank,
             peer,
@@ -95,6 +93,7 @@ impl QuicLink {
             sending: Mutex::new(()),
             receiving: Mutex::new(()),
             aborted: AtomicBool::new(false),
+            unacked: Arc::new(Unacked::default()),
             _guard: guard,
         }
     }
@@ -176,7 +175,7 @@ impl QuicLink {
         let first = pieces.next().unwrap_or(&[]);
         let mut writing = FuturesUnordered::new();
         let piece = |s: quinn::SendStream, prefix: Option<[u8; HEADER_LEN]>, bytes: &'a [u8]| async move {
-            send_piece(s, prefix, bytes, &self.runtime)
+            send_piece(s, prefix, bytes, &self.unacked, &self.runtime)
                 .await
                 .map_err(|e| self.write_error(e))
         };
@@ -243,17 +242,12 @@ impl QuicLink {
     }
 }
 
-/// A count of streams sent and not yet acknowledged, in this process.
+/// A count of streams sent and not yet acknowledged.
+#[derive(Default)]
 struct Unacked {
     count: StdMutex<usize>,
     zero: Condvar,
 }
-
-/// The streams of every QUIC link of this process sent and not yet acknowledged.
-static UNACKED: Unacked = Unacked {
-    count: StdMutex::new(0),
-    zero: Condvar::new(),
-};
 
 impl Unacked {
     fn add(&self) {
@@ -279,44 +273,29 @@ impl Unacked {
     }
 }
 
-/// Runs at process exit: waits (at most [`LINGER`]) until the peers
-/// acknowledged what this process sent.
-extern "C" fn flush_at_exit() {
-    if !UNACKED.wait_zero(LINGER) {
-        tracing::debug!("exiting with QUIC data not acknowledged after {LINGER:?}");
-    }
-}
-
-/// Registers [`flush_at_exit`] once per process.
-pub(crate) fn flush_at_exit_once() {
-    static AT_EXIT: std::sync::Once = std::sync::Once::new();
-    // SAFETY: registers a function that takes nothing and returns nothing,
-    // as atexit expects.
-    AT_EXIT.call_once(|| unsafe {
-        libc::atexit(flush_at_exit);
-    });
-}
-
-/// Writes one piece (after `prefix`) on its own stream and finishes it; a
-/// task on `runtime` counts it unacknowledged until the peer acknowledged
-/// all of it (a failure then shows on the link's next call).
+/// Writes one piece (after `prefix`) on its own stream, finishes it and
+/// waits until the peer acknowledged all of it.
 async fn send_piece(
     mut s: quinn::SendStream,
     prefix: Option<[u8; HEADER_LEN]>,
     bytes: &[u8],
-    runtime: &tokio::runtime::Handle,
+    unacked: &Arc<Unacked>,
+    _runtime: &tokio::runtime::Handle,
 ) -> std::result::Result<(), WriteError> {
     if let Some(p) = prefix {
         s.write_all(&p).await?;
     }
     s.write_all(bytes).await?;
     let _ = s.finish();
-    UNACKED.add();
-    runtime.spawn(async move {
-        let _ = s.stopped().await;
-        UNACKED.done();
-    });
-    Ok(())
+    unacked.add();
+    let r = s.stopped().await;
+    unacked.done();
+    match r {
+        Ok(None) => Ok(()),
+        Ok(Some(code)) => Err(WriteError::Stopped(code)),
+        Err(quinn::StoppedError::ConnectionLost(c)) => Err(WriteError::ConnectionLost(c)),
+        Err(quinn::StoppedError::ZeroRttRejected) => Err(WriteError::ZeroRttRejected),
+    }
 }
 
 /// Reads one piece and the end of its stream (a stream dropped before its
@@ -382,7 +361,7 @@ impl Drop for QuicLink {
     /// everything this link sent, then closes the connection; the peer can
     /// still read what it received. Never called on the QUIC runtime's thread.
     fn drop(&mut self) {
-        if !self.aborted.load(Ordering::Acquire) && !UNACKED.wait_zero(LINGER) {
+        if !self.aborted.load(Ordering::Acquire) && !self.unacked.wait_zero(LINGER) {
             tracing::debug!(
                 rank = self.rank,
                 peer = self.peer,
