@@ -137,6 +137,39 @@ impl Error {
         }
     }
 
+    /// [`Error::PeerLost`] from the link between `rank` and `peer`, the call
+    /// left for [`Error::in_call`]; `aborted_here` says that this rank had
+    /// aborted the link, which then explains the loss.
+    pub fn peer_lost(
+        rank: usize,
+        peer: usize,
+        cause: impl Into<String>,
+        aborted_here: bool,
+    ) -> Error {
+        let cause = cause.into();
+        Error::PeerLost {
+            rank,
+            peer,
+            call: String::new(),
+            cause: if aborted_here {
+                format!("{cause} (this rank aborted the link)")
+            } else {
+                cause
+            },
+        }
+    }
+
+    /// [`Error::Protocol`] from the link between `rank` and `peer`, the call
+    /// left for [`Error::in_call`].
+    pub fn protocol(rank: usize, peer: usize, msg: impl Into<String>) -> Error {
+        Error::Protocol {
+            rank,
+            peer,
+            call: String::new(),
+            msg: msg.into(),
+        }
+    }
+
     /// Fills in the call of errors raised below the level that knows it
     /// (transports report `call` as empty).
     pub fn in_call(mut self, name: &str) -> Error {

@@ -29,21 +29,12 @@ struct LoopbackLink {
 
 impl LoopbackLink {
     fn lost(&self) -> Error {
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause: "its end of the loopback link is gone".into(),
-        }
+        let cause = "its end of the loopback link is gone";
+        Error::peer_lost(self.rank, self.peer, cause, false)
     }
 
     fn protocol(&self, msg: String) -> Error {
-        Error::Protocol {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            msg,
-        }
+        Error::protocol(self.rank, self.peer, msg)
     }
 }
 

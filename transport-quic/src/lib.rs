@@ -205,10 +205,12 @@ pub struct QuicTransport {
 }
 
 impl QuicTransport {
+    /// The transport with these options.
     pub fn new(options: QuicOptions) -> QuicTransport {
         QuicTransport { options }
     }
 
+    /// The transport with the options `config` sets ([`QuicOptions::from_config`]).
     pub fn from_config(config: &Config) -> Result<QuicTransport> {
         Ok(QuicTransport::new(QuicOptions::from_config(config)?))
     }

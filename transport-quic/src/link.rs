@@ -114,26 +114,12 @@ impl QuicLink {
             ConnectionError::LocallyClosed => "this rank closed the link".to_string(),
             other => other.to_string(),
         };
-        let cause = if self.aborted.load(Ordering::Acquire) {
-            format!("{cause} (this rank aborted the link)")
-        } else {
-            cause
-        };
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause,
-        }
+        let aborted = self.aborted.load(Ordering::Acquire);
+        Error::peer_lost(self.rank, self.peer, cause, aborted)
     }
 
     fn protocol(&self, msg: String) -> Error {
-        Error::Protocol {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            msg,
-        }
+        Error::protocol(self.rank, self.peer, msg)
     }
 
     fn write_error(&self, e: WriteError) -> Error {

@@ -329,21 +329,11 @@ impl<V: Verbs> Peer<V> {
     }
 
     fn lost(&self, cause: String) -> Error {
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause,
-        }
+        Error::peer_lost(self.rank, self.peer, cause, false)
     }
 
     fn protocol(&self, msg: String) -> Error {
-        Error::Protocol {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            msg,
-        }
+        Error::protocol(self.rank, self.peer, msg)
     }
 
     /// Records the first failure and returns it.

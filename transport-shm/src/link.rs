@@ -233,26 +233,12 @@ impl ShmLink {
     }
 
     fn lost(&self, cause: impl Into<String>) -> Error {
-        let cause = cause.into();
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause: if self.aborted.load(Ordering::Acquire) {
-                format!("{cause} (this rank aborted the link)")
-            } else {
-                cause
-            },
-        }
+        let aborted = self.aborted.load(Ordering::Acquire);
+        Error::peer_lost(self.rank, self.peer, cause, aborted)
     }
 
     fn protocol(&self, msg: String) -> Error {
-        Error::Protocol {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            msg,
-        }
+        Error::protocol(self.rank, self.peer, msg)
     }
 
     /// Waits until `ready()`: polls for the spin window, then sleeps on the

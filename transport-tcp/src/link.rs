@@ -169,26 +169,12 @@ impl TcpLink {
             io::ErrorKind::UnexpectedEof => "connection closed".to_string(),
             _ => e.to_string(),
         };
-        let cause = if self.aborted.load(Ordering::Acquire) {
-            format!("{what} (this rank aborted the link)")
-        } else {
-            what
-        };
-        Error::PeerLost {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            cause,
-        }
+        let aborted = self.aborted.load(Ordering::Acquire);
+        Error::peer_lost(self.rank, self.peer, what, aborted)
     }
 
     fn protocol(&self, msg: String) -> Error {
-        Error::Protocol {
-            rank: self.rank,
-            peer: self.peer,
-            call: String::new(),
-            msg,
-        }
+        Error::protocol(self.rank, self.peer, msg)
     }
 
     /// Reads a frame header, landing any payload bytes that arrive with it in
