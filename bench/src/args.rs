@@ -297,8 +297,26 @@ pub struct CompareTarget {
 }
 
 impl CompareTarget {
+    /// The validated plan of the comparison.
     pub fn plan(&self) -> Result<Plan, String> {
         common_plan(self.collective, &self.sizes, &self.common)
+    }
+
+    /// How many local ranks a comparison that starts its own (`what`)
+    /// runs with `plan`: refused under a launcher.
+    pub fn local_ranks(plan: &Plan, what: &str) -> Result<usize, String> {
+        match ccl::Config::from_env() {
+            Ok(c) if c.launcher != ccl::Launcher::None => {
+                return Err(format!(
+                    "{what} starts its own ranks: run it without a launcher"
+                ))
+            }
+            Err(e) => return Err(e.to_string()),
+            Ok(_) => {}
+        }
+        let n = plan.ranks.unwrap_or_else(default_ranks);
+        plan.check_world(n)?;
+        Ok(n)
     }
 }
 

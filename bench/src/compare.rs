@@ -13,11 +13,10 @@
 
 use std::fmt::Write as _;
 
-use ccl::{Config, Launcher};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    args::{self, PeersArgs, Plan},
+    args::{CompareTarget, PeersArgs, Plan},
     coll::Coll,
     membw::{self, MemBw},
     peers::{self, Link, Peer, PeerKind, PeerRow, PeerTools},
@@ -300,17 +299,10 @@ pub fn main(a: PeersArgs) -> i32 {
         Ok(p) => p,
         Err(m) => return usage(&m),
     };
-    match Config::from_env() {
-        Ok(c) if c.launcher != Launcher::None => {
-            return usage("compare starts its own ranks: run it without a launcher")
-        }
-        Err(e) => return usage(&e.to_string()),
-        Ok(_) => {}
-    }
-    let n = plan.ranks.unwrap_or_else(args::default_ranks);
-    if let Err(m) = plan.check_world(n) {
-        return usage(&m);
-    }
+    let n = match CompareTarget::local_ranks(&plan, "compare") {
+        Ok(n) => n,
+        Err(m) => return usage(&m),
+    };
     let mut kinds: Vec<PeerKind> = Vec::new();
     for k in &a.peers {
         if !kinds.contains(k) {

@@ -13,11 +13,11 @@ use std::{
     time::Duration,
 };
 
-use ccl::{Config, DataType, Launcher, ReduceOp};
+use ccl::{DataType, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    args::{self, CompareArgs, Plan},
+    args::{CompareArgs, CompareTarget, Plan},
     coll::Coll,
     peers::{self, OmpiNet, PeerRow},
     plot::{self, Series},
@@ -256,17 +256,10 @@ pub fn compare(a: CompareArgs) -> i32 {
         Ok(p) => p,
         Err(m) => return usage(&m),
     };
-    match Config::from_env() {
-        Ok(c) if c.launcher != Launcher::None => {
-            return usage("compare-mpi starts its own ranks: run it without a launcher")
-        }
-        Err(e) => return usage(&e.to_string()),
-        Ok(_) => {}
-    }
-    let n = plan.ranks.unwrap_or_else(args::default_ranks);
-    if let Err(m) = plan.check_world(n) {
-        return usage(&m);
-    }
+    let n = match CompareTarget::local_ranks(&plan, "compare-mpi") {
+        Ok(n) => n,
+        Err(m) => return usage(&m),
+    };
     let version = match mpirun_version(&a.mpirun) {
         Ok(v) => v,
         Err(m) => return fail(&m),
