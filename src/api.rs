@@ -48,11 +48,12 @@ fn of<T: Element>(kind: CollectiveKind) -> Collective {
 }
 
 impl Communicator {
-    /// `template` with the count that one buffer of `len` elements holds in
-    /// place: `world_size` blocks of it where the collective has a block per
+    /// `template` (a [`Collective`] of count 0) with the count that one
+    /// buffer of `len` elements holds in place, as the typed methods count
+    /// it: `world_size` blocks of it where the collective has a block per
     /// rank (allgather, reduce-scatter, all-to-all; gather and scatter at
     /// the root), else all of it.
-    fn count_in_place(&self, template: Collective, len: usize) -> Result<Collective> {
+    pub fn count_in_place(&self, template: Collective, len: usize) -> Result<Collective> {
         let (rank, n) = (self.rank(), self.world_size());
         let blocks = match template.kind {
             CollectiveKind::AllGather
@@ -73,12 +74,13 @@ impl Communicator {
         })
     }
 
-    /// `template` with the count of an out-of-place call on `input_len` and
-    /// `output_len` elements: the output's where every rank has one and not
-    /// every rank an input (broadcast) or the output is one rank's block
-    /// (reduce-scatter, scatter), one of `world_size` blocks of the input for
-    /// all-to-all, the input's otherwise.
-    fn count_out_of_place(
+    /// `template` (a [`Collective`] of count 0) with the count of an
+    /// out-of-place call on `input_len` and `output_len` elements: the
+    /// output's where every rank has one and not every rank an input
+    /// (broadcast) or the output is one rank's block (reduce-scatter,
+    /// scatter), one of `world_size` blocks of the input for all-to-all,
+    /// the input's otherwise.
+    pub fn count_out_of_place(
         &self,
         template: Collective,
         input_len: usize,
@@ -98,7 +100,7 @@ impl Communicator {
     /// elements: this rank's block of the output is its input (allgather,
     /// gather), its block of the input is its output (reduce-scatter,
     /// scatter), or both start at the buffer (the rest).
-    fn in_place_ranges(&self, coll: &Collective) -> (Range<usize>, Range<usize>) {
+    pub fn in_place_ranges(&self, coll: &Collective) -> (Range<usize>, Range<usize>) {
         let rank = self.rank();
         let (ni, no) = coll.buffer_elems(rank, self.world_size());
         let block = rank * coll.count;

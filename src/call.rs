@@ -14,7 +14,7 @@ use ccl_core::{
 };
 
 use crate::{
-    engine::{Job, Plan},
+    engine::{Before, Job, Plan},
     Communicator,
 };
 
@@ -26,7 +26,7 @@ fn kernels_for(kind: MemoryKind) -> Result<&'static dyn Kernels> {
     match kind {
         MemoryKind::Host => Ok(&HOST_KERNELS),
         kind => Err(Error::Unsupported(format!(
-            "buffers in {kind}: no transport of this build handles device memory"
+            "buffers in {kind}: device memory goes through launch_on_stream, ordered on a stream"
         ))),
     }
 }
@@ -102,6 +102,7 @@ impl Communicator {
             coll,
             choice,
             io,
+            None,
             Box::new(move |r| completer.complete(r)),
             true,
         );
@@ -180,7 +181,7 @@ impl Communicator {
             completer.complete(r.map(|()| finish()))
         });
         let choice = self.inner.selection.choice(coll);
-        self.submit(coll, choice, io, done, false);
+        self.submit(coll, choice, io, None, done, false);
         work
     }
 
@@ -298,12 +299,14 @@ impl Communicator {
 
     /// Plans `coll` with `choice` and hands it to the engine, which runs it
     /// on this thread (`inline`, when nothing is queued) or queues it;
-    /// `done` gets the result once `io` is no longer touched.
+    /// it runs `before` first (if any), and `done` gets the result once
+    /// `io` is no longer touched.
     pub(crate) fn submit(
         &self,
         coll: &Collective,
         choice: Choice,
         io: IoBuffers<'static>,
+        before: Option<Before>,
         done: Done,
         inline: bool,
     ) {
@@ -326,6 +329,7 @@ impl Communicator {
                 io,
                 deadline: self.timeout(),
                 lane: None,
+                before,
                 done,
             },
             inline,
@@ -392,6 +396,7 @@ impl Communicator {
                 io,
                 deadline: self.timeout(),
                 lane: Some((peer, send)),
+                before: None,
                 done: Box::new(move |r| completer.complete(r.map(|()| finish()))),
             },
             false,
@@ -455,7 +460,7 @@ impl Communicator {
         let io = IoBuffers::pieces_in_place(pieces, &HOST_KERNELS);
         let (work, completer) = work_pair();
         let done: Done = Box::new(move |r| completer.complete(r.map(|()| finish())));
-        self.submit(&coll, Algorithm::BoardDirect.into(), io, done, false);
+        self.submit(&coll, Algorithm::BoardDirect.into(), io, None, done, false);
         work
     }
 }

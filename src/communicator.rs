@@ -42,7 +42,7 @@ pub(crate) struct Inner {
     /// The store it was built from (unscoped), for sub-communicators.
     store: Arc<dyn Store>,
     prefix: String,
-    options: Options,
+    pub(crate) options: Options,
     /// The communicator's id on the wire.
     pub(crate) comm: u64,
     pub(crate) engine: Engine,
@@ -57,6 +57,9 @@ pub(crate) struct Inner {
     timeout_ns: AtomicU64,
     /// The transports that link this rank to its peers, with how many peers each.
     used: Vec<(&'static str, usize)>,
+    /// Pinned host staging for device calls, made at the first one.
+    #[cfg(feature = "cuda")]
+    pub(crate) staging: Mutex<Option<Arc<ccl_transport_cuda_ipc::staging::Staging>>>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -226,6 +229,8 @@ impl Communicator {
                 p2p_seq: Mutex::new(HashMap::new()),
                 splits: AtomicU64::new(0),
                 used: connected.used,
+                #[cfg(feature = "cuda")]
+                staging: Mutex::new(None),
             }),
         })
     }

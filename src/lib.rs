@@ -26,6 +26,8 @@ mod bootstrap;
 mod bucketer;
 mod call;
 mod communicator;
+#[cfg(feature = "cuda")]
+mod device;
 mod engine;
 mod options;
 mod selection;
@@ -37,7 +39,7 @@ pub use bucketer::{Bucketer, Reduced, TensorId, DEFAULT_BUCKET_CAP_BYTES};
 pub use ccl_algorithms::{Algorithm, Choice};
 pub use ccl_core::{
     bf16, f16, BufMut, BufRef, Collective, CollectiveKind, DataType, Element, Error, ErrorCode,
-    Event, JobSecret, MemoryKind, ReduceOp, Result, Spin, Store, Transport, Work,
+    Event, JobSecret, MemoryKind, ReduceOp, Result, Scratch, Spin, Store, Transport, Work,
 };
 pub use ccl_rendezvous::{
     config, free_port, Config, FileStore, HashStore, Launcher, PrefixStore, Rendezvous, TcpStore,
@@ -46,6 +48,14 @@ pub use ccl_rendezvous::{
 pub use communicator::Communicator;
 pub use options::Options;
 pub use transports::Transports;
+
+/// GPUs: open one ([`cuda::open`]), wrap the caller's stream
+/// ([`cuda::Stream::borrow_raw`]) and pass device memory to
+/// [`Communicator::launch_on_stream`].
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    pub use ccl_transport_cuda_ipc::{open, Gpu, GpuEvent, RawStream, StandInGpu, Stream};
+}
 
 /// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`;
 /// warnings and errors when unset), unless the program installed one already.

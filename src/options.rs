@@ -8,6 +8,9 @@ use ccl_rendezvous::Config;
 
 use crate::Transports;
 
+/// Default bytes of a chunk of a device call staged through host memory.
+pub const DEFAULT_CUDA_CHUNK: usize = 4 << 20;
+
 /// How a communicator connects and behaves, beyond rank, size and store.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -39,6 +42,9 @@ pub struct Options {
     pub secret: Option<JobSecret>,
     /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
     pub debug_checks: bool,
+    /// Bytes of a chunk of a device call staged through host memory
+    /// (`CCL_CUDA_CHUNK`); every rank must use the same.
+    pub cuda_chunk: usize,
 }
 
 impl Default for Options {
@@ -52,6 +58,7 @@ impl Default for Options {
             host_id: None,
             secret: None,
             debug_checks: false,
+            cuda_chunk: DEFAULT_CUDA_CHUNK,
         }
     }
 }
@@ -78,6 +85,7 @@ impl Options {
             host_id: config.host_id.clone(),
             secret: config.job_secret.clone(),
             debug_checks: config.debug_checks,
+            cuda_chunk: config.knob_number("CCL_CUDA_CHUNK", DEFAULT_CUDA_CHUNK, 256..=1 << 30)?,
         })
     }
 }

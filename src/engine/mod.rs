@@ -56,6 +56,9 @@ pub(crate) enum Plan {
 }
 
 /// One call, ready to run.
+/// What a job runs first; see [`Job::before`].
+pub(crate) type Before = Box<dyn FnOnce(Duration) -> Result<()> + Send>;
+
 pub(crate) struct Job {
     pub plan: Plan,
     pub call: Call,
@@ -63,6 +66,9 @@ pub(crate) struct Job {
     pub deadline: Duration,
     /// For point-to-point transfers: the peer and whether this rank sends.
     pub lane: Option<(usize, bool)>,
+    /// Runs (with the job's deadline) before the job touches `io`: waits
+    /// for a GPU's copy into it, say. Its error is the job's.
+    pub before: Option<Before>,
     /// Receives the result once the schedule no longer touches `io`.
     pub done: Box<dyn FnOnce(Result<()>) + Send>,
 }
@@ -135,9 +141,15 @@ impl Shared {
     }
 
     /// Runs one job to completion (or failure), breaking the communicator on error.
-    async fn run(&self, job: Job, scratch: &mut Option<Scratch>) {
+    async fn run(&self, mut job: Job, scratch: &mut Option<Scratch>) {
         if self.broken().is_some() {
             return self.fail_broken(job);
+        }
+        if let Some(before) = job.before.take() {
+            if let Err(e) = before(job.deadline) {
+                let e = e.in_call(&format!("{} on rank {}", job.call.name(), self.rank));
+                return self.finish(job.done, Err(e)).await;
+            }
         }
         let schedule = match &job.plan {
             Plan::Schedule(s) => s,

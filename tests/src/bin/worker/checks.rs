@@ -4,6 +4,8 @@
 
 use ccl::{bf16, f16, Communicator, Element, ReduceOp};
 
+use crate::calls::Calls;
+
 /// An element type the checks can build from and compare with plain numbers.
 pub(crate) trait TestElem: Element + Copy {
     /// Wrapping conversion for integers, nearest for floats.
@@ -143,7 +145,19 @@ fn reducing_ops<T: TestElem>() -> Vec<ReduceOp> {
         .collect()
 }
 
-pub(crate) fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, counts: &[usize]) {
+/// What rank `src` holds at index `i` in the data-movement checks.
+fn origin<T: TestElem>(src: usize, i: usize) -> T {
+    T::from_i64(((src * 31 + i) % 100) as i64)
+}
+
+/// What rank `src` sends rank `dst` at index `i` in the all-to-all checks.
+fn addressed<T: TestElem>(src: usize, dst: usize, i: usize) -> T {
+    T::from_i64(((src * 13 + dst * 5 + i) % 100) as i64)
+}
+
+/// Every blocking collective on `T`, in place and out of place, through
+/// `comm` (the host's typed methods, or device memory).
+pub(crate) fn check_calls<T: TestElem>(comm: &impl Calls, ck: &mut Checker, counts: &[usize]) {
     let (r, n) = (comm.rank(), comm.world_size());
     let name = T::DTYPE.name();
     for &c in counts {
@@ -245,7 +259,7 @@ pub(crate) fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, cou
         }
         // Data movement; values name their origin rank and index.
         let tag = format!("{name} count {c}");
-        let v = |src: usize, i: usize| T::from_i64(((src * 31 + i) % 100) as i64);
+        let v = origin::<T>;
         let mine: Vec<T> = (0..c).map(|i| v(r, i)).collect();
         for root in 0..n {
             let mut buf = if r == root {
@@ -386,8 +400,7 @@ pub(crate) fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, cou
             );
         }
         // all-to-all: block p of rank r's input is meant for p: value names (r, p, i)
-        let a2a =
-            |src: usize, dst: usize, i: usize| T::from_i64(((src * 13 + dst * 5 + i) % 100) as i64);
+        let a2a = addressed::<T>;
         let input: Vec<T> = (0..n * c)
             .map(|k| a2a(r, k / c.max(1), k % c.max(1)))
             .collect();
@@ -418,7 +431,23 @@ pub(crate) fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, cou
                 n * c,
             );
         }
-        // Asynchronous forms, several in flight at once.
+    }
+}
+
+/// Every collective on `T` through the host's typed methods: the blocking
+/// ones, then the asynchronous ones, several in flight at once.
+pub(crate) fn check_type<T: TestElem>(comm: &Communicator, ck: &mut Checker, counts: &[usize]) {
+    check_calls::<T>(comm, ck, counts);
+    let (r, n) = (comm.rank(), comm.world_size());
+    let name = T::DTYPE.name();
+    for &c in counts {
+        let tag = format!("{name} count {c}");
+        let v = origin::<T>;
+        let a2a = addressed::<T>;
+        let mine: Vec<T> = (0..c).map(|i| v(r, i)).collect();
+        let input: Vec<T> = (0..n * c)
+            .map(|k| a2a(r, k / c.max(1), k % c.max(1)))
+            .collect();
         let sum_in: Vec<T> = (0..c)
             .map(|i| T::from_i64(value(ReduceOp::Sum, r, i)))
             .collect();

@@ -9,10 +9,12 @@
 
 use std::{process::exit, time::Instant};
 
+mod calls;
 mod checks;
 
+use calls::OnDevice;
 use ccl::{bf16, f16, Communicator, ReduceOp};
-use checks::{check_type, Checker};
+use checks::{check_calls, check_type, Checker};
 
 fn collectives(comm: &Communicator, ck: &mut Checker) {
     let counts = [0, 1, 7, 1031];
@@ -28,6 +30,55 @@ fn collectives(comm: &Communicator, ck: &mut Checker) {
     check_type::<f64>(comm, ck, &counts);
     // Large enough to be cut into many pipelined pieces.
     check_type::<f32>(comm, ck, &[300_007]);
+}
+
+/// Every blocking collective on device memory (the GPU of `CCL_TEST_GPU`,
+/// 0 by default; the stand-in with `CCL_CUDA_STAND_IN=1`), staged through
+/// host memory, checked as on the host; then memory of the wrong kind.
+fn device(comm: &Communicator, ck: &mut Checker) {
+    let ordinal = std::env::var("CCL_TEST_GPU").map_or(0, |v| v.parse().unwrap_or(0));
+    let Some(gpu) = ck.ok("opening the GPU", ccl::cuda::open(ordinal)) else {
+        return;
+    };
+    let Some(stream) = ck.ok("a stream", ccl::cuda::Stream::new(gpu.clone())) else {
+        return;
+    };
+    let dev = OnDevice { comm, stream };
+    let counts = [0, 1, 7, 1031];
+    check_calls::<i8>(&dev, ck, &counts);
+    check_calls::<u8>(&dev, ck, &counts);
+    check_calls::<i32>(&dev, ck, &counts);
+    check_calls::<u32>(&dev, ck, &counts);
+    check_calls::<i64>(&dev, ck, &counts);
+    check_calls::<u64>(&dev, ck, &counts);
+    check_calls::<f16>(&dev, ck, &counts);
+    check_calls::<bf16>(&dev, ck, &counts);
+    check_calls::<f32>(&dev, ck, &counts);
+    check_calls::<f64>(&dev, ck, &counts);
+    // Many chunks in flight (with a small CCL_CUDA_CHUNK).
+    check_calls::<f32>(&dev, ck, &[300_007]);
+    // Host memory passed as device memory: refused, naming the call.
+    let sum = ccl::Collective::new(ccl::CollectiveKind::AllReduce, ccl::DataType::F32, 4);
+    let mut host = [0f32; 4];
+    let kind = ccl::MemoryKind::Device { ordinal };
+    let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut host);
+    // SAFETY: refused before it is touched.
+    let e = unsafe {
+        comm.launch_on_stream(
+            &sum,
+            ccl::BufRef::from_raw(kind, bytes.as_ptr(), 16),
+            ccl::BufMut::from_raw(kind, bytes.as_mut_ptr(), 16),
+            &dev.stream,
+        )
+    }
+    .wait();
+    match e {
+        Err(ccl::Error::InvalidArgument(m)) if m.contains("driver says it is host memory") => {
+            ck.checks += 1
+        }
+        other => ck.fail(format!("host memory passed as device memory: {other:?}")),
+    }
+    println!("device: {}", gpu.name());
 }
 
 fn p2p(comm: &Communicator, ck: &mut Checker) {
@@ -189,6 +240,7 @@ fn main() {
     match scenario {
         "collectives" => collectives(&comm, &mut ck),
         "p2p" => p2p(&comm, &mut ck),
+        "device" => device(&comm, &mut ck),
         "modelled-allreduce" => {
             // One allreduce of COUNT f32 on the simulated RDMA fabric, timed
             // by its modelled clock (no wall clock): prints both ends.

@@ -1,0 +1,200 @@
+//! Collectives on GPU memory, ordered on the caller's stream as NCCL's are.
+//!
+//! A device call is checked (arguments, lengths, and where its memory
+//! really lives, asked of the driver), then staged: cut into chunks, each
+//! copied into pinned host memory on the GPU's copy stream, reduced or moved
+//! by a host collective over this communicator's links, and copied back
+//! ([`ccl_transport_cuda_ipc::staging`]). The chunks' collectives are queued
+//! at once, in order, each gated on its copy; the caller's stream waits on
+//! the GPU for the last chunk, and the returned `Work` completes then too.
+
+use std::sync::{Arc, Mutex};
+
+use ccl_core::{
+    work_pair, BufMut, BufRef, Collective, CollectiveKind, Error, MemoryKind, ReduceOp, Result,
+    Work,
+};
+use ccl_transport_cuda_ipc::{
+    staging::{Layout, Staging},
+    Gpu, Stream,
+};
+
+use crate::{call::Prepared, engine::Before, Communicator};
+
+/// The first error of a call's chunks, and the completer its last chunk uses.
+struct Outcome {
+    error: Option<Error>,
+    completer: Option<ccl_core::Completer<()>>,
+}
+
+impl Communicator {
+    /// Queues the collective `coll` on device memory, in the order of
+    /// `stream`: it starts after the work already queued on `stream`, and
+    /// work queued on `stream` afterwards sees its result. The returned
+    /// `Work` completes when the result is in `output` as well.
+    ///
+    /// `input` and `output` are as for [`Communicator::run`], in the memory
+    /// of `stream`'s GPU ([`MemoryKind::Device`]). Host memory passed as
+    /// device memory, or the reverse, is an error (the driver is asked).
+    ///
+    /// # Safety
+    /// The memory must stay valid, and be neither written (input) nor
+    /// accessed (output) other than through work ordered after this call on
+    /// `stream`, until the returned `Work` completes.
+    pub unsafe fn launch_on_stream(
+        &self,
+        coll: &Collective,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        stream: &Stream,
+    ) -> Work<()> {
+        match self.stage(coll, input, output, stream) {
+            Ok(work) => work,
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
+    /// Checks a device call and queues its chunks.
+    unsafe fn stage(
+        &self,
+        coll: &Collective,
+        input: BufRef<'_>,
+        mut output: BufMut<'_>,
+        stream: &Stream,
+    ) -> Result<Work<()>> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let gpu = stream.gpu();
+        let bad = |what: String| Error::InvalidArgument(format!("{coll} on rank {rank}: {what}"));
+        if coll.kind == CollectiveKind::SendRecv {
+            return Err(bad(
+                "point-to-point transfers of device memory are not staged yet".into(),
+            ));
+        }
+        coll.validate(rank, n)?;
+        let device = MemoryKind::Device {
+            ordinal: gpu.ordinal(),
+        };
+        let (need_in, need_out) = coll.buffer_elems(rank, n);
+        let size = coll.dtype.size();
+        let buffers = [
+            ("input", input.kind(), input.as_ptr(), input.len(), need_in),
+            (
+                "output",
+                output.kind(),
+                output.as_mut_ptr().cast_const(),
+                output.len(),
+                need_out,
+            ),
+        ];
+        for (what, kind, ptr, len, need) in buffers {
+            if need == 0 {
+                continue;
+            }
+            if kind != device {
+                return Err(bad(format!(
+                    "the {what} lies in {kind}, but the stream is of {}",
+                    gpu.name()
+                )));
+            }
+            if len != need * size {
+                return Err(bad(format!(
+                    "the {what} has {len} bytes, expected {need} elements of {} ({} bytes)",
+                    coll.dtype,
+                    need * size
+                )));
+            }
+            let actual = gpu.kind_of(ptr)?;
+            if actual != kind {
+                return Err(bad(format!(
+                    "the {what} at {ptr:p} was passed as {kind}, but the driver says it is {actual}"
+                )));
+            }
+        }
+        let staging = self.staging(gpu)?;
+        let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
+        let (input, output) = (input.as_ptr() as usize, output.as_mut_ptr() as usize);
+        let (work, completer) = work_pair::<()>();
+        let outcome = Arc::new(Mutex::new(Outcome {
+            error: None,
+            completer: Some(completer),
+        }));
+        let mut launch = staging.launch(stream)?;
+        let chunks = layout.chunks();
+        for k in 0..chunks {
+            let chunk = launch.stage_in(&layout, input as *const u8, k);
+            let (host_in, host_out) = launch.host_buffers(&layout, &chunk);
+            // A pre-multiplied sum scales the staged input in place once it
+            // is there, and sums; the rest run as they are.
+            let prescale = matches!(coll.op, ReduceOp::PreMulSum(_)).then_some(coll.op);
+            let sub = Collective {
+                count: chunk.count(),
+                op: prescale.map_or(coll.op, |_| ReduceOp::Sum),
+                ..*coll
+            };
+            // The chunk's arguments follow from the call's, checked above.
+            let Prepared { io, scaled } = self.prepare(&sub, host_in, host_out)?;
+            let (gate, scale) = (
+                chunk.gate.clone(),
+                (host_in.as_ptr() as usize, host_in.len()),
+            );
+            let before: Before = Box::new(move |deadline| {
+                if !gate.synchronize(Some(deadline))? {
+                    return Err(Error::Timeout {
+                        context: format!("rank {rank}"),
+                        what: "the GPU to copy the call's input into host memory".into(),
+                        after: deadline,
+                    });
+                }
+                match prescale {
+                    // SAFETY: the chunk's staged input, which only this job uses now.
+                    Some(op) => ccl_core::kernels::prescale(op, sub.dtype, unsafe {
+                        std::slice::from_raw_parts_mut(scale.0 as *mut u8, scale.1)
+                    }),
+                    None => Ok(()),
+                }
+            });
+            let (staging, outcome) = (staging.clone(), outcome.clone());
+            let last = k + 1 == chunks;
+            let done = Box::new(move |result: Result<()>| {
+                drop(scaled);
+                let out = staging.stage_out(&layout, &chunk, output as *mut u8, result.is_ok());
+                let mut o = outcome.lock().unwrap_or_else(|p| p.into_inner());
+                if let Err(e) = result.and(out) {
+                    o.error.get_or_insert(e);
+                }
+                if last {
+                    if let Some(c) = o.completer.take() {
+                        c.complete(o.error.take().map_or(Ok(()), Err));
+                    }
+                }
+            });
+            let choice = self.inner.selection.choice(&sub);
+            self.submit(&sub, choice, io, Some(before), done, false);
+        }
+        Ok(work.after(launch.finish(stream)?))
+    }
+
+    /// This communicator's staging on `gpu`, made at the first device call.
+    fn staging(&self, gpu: &Arc<dyn Gpu>) -> Result<Arc<Staging>> {
+        let inner = &self.inner;
+        let mut slot = inner.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = &*slot {
+            if s.gpu().ordinal() != gpu.ordinal() {
+                return Err(Error::InvalidArgument(format!(
+                    "rank {}: this communicator's device calls run on {}, not {}",
+                    inner.rank,
+                    s.gpu().name(),
+                    gpu.name()
+                )));
+            }
+            return Ok(s.clone());
+        }
+        let s = Arc::new(Staging::new(
+            gpu.clone(),
+            inner.world_size,
+            inner.options.cuda_chunk,
+        )?);
+        *slot = Some(s.clone());
+        Ok(s)
+    }
+}

@@ -1,0 +1,285 @@
+//! Collectives on GPU memory. Without a GPU (here, CI) they run on the
+//! host stand-in (`CCL_CUDA_STAND_IN=1`: device memory that is host memory
+//! tagged as a GPU's, streams that are threads), which exercises the whole
+//! staging pipeline, the stream ordering and the checks across real
+//! processes and links; asking for CUDA must fail with an error that names
+//! the driver library. With `CCL_REQUIRE_CUDA=1` (a GPU machine) the same
+//! checks run on CUDA device 0 and any failure to open it fails the test.
+
+use std::{
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use ccl::{
+    cuda::{Gpu, StandInGpu, Stream},
+    BufMut, BufRef, Collective, CollectiveKind, DataType, Error, MemoryKind, Options, ReduceOp,
+    Scratch,
+};
+use ccl_tests::{assert_all_ok, launch, with_ranks};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
+
+fn require_cuda() -> bool {
+    std::env::var("CCL_REQUIRE_CUDA").is_ok_and(|v| v == "1")
+}
+
+/// Every collective × dtype × op, in place and out of place, on stand-in
+/// device memory, over shared memory and over TCP, in chunks small enough
+/// that many are in flight.
+#[test]
+fn every_collective_on_device_memory_through_host_staging() {
+    for (n, transport) in [
+        (1, "shm"),
+        (2, "shm"),
+        (3, "shm"),
+        (4, "shm"),
+        (2, "tcp"),
+        (3, "tcp"),
+    ] {
+        let env = [
+            ("CCL_CUDA_STAND_IN", "1".to_string()),
+            ("CCL_CUDA_CHUNK", "4096".to_string()),
+            ("CCL_TRANSPORT", transport.to_string()),
+            ("CCL_TIMEOUT", "60s".to_string()),
+        ];
+        let out = launch(WORKER, &["device"], n, &env, Duration::from_secs(300));
+        assert_all_ok(
+            &out,
+            &format!("device collectives, {n} ranks over {transport}"),
+        );
+        for o in &out {
+            assert!(o.stdout.contains("stand-in GPU 0"), "{}", o.stdout);
+            assert!(o.stdout.contains(" 0 failures"), "{}", o.stdout);
+        }
+    }
+}
+
+/// The same checks on CUDA device 0, several ranks sharing it, through
+/// forced staging. Runs where `CCL_REQUIRE_CUDA=1` says there is a GPU.
+#[test]
+fn every_collective_on_a_real_gpu() {
+    if !require_cuda() {
+        eprintln!("skipped: no GPU here (CCL_REQUIRE_CUDA=1 runs this on CUDA device 0)");
+        return;
+    }
+    for n in [1, 2, 3, 4] {
+        let env = [("CCL_TIMEOUT", "120s".to_string())];
+        let out = launch(WORKER, &["device"], n, &env, Duration::from_secs(600));
+        assert_all_ok(&out, &format!("device collectives on CUDA, {n} ranks"));
+        for o in &out {
+            assert!(o.stdout.contains("CUDA device 0"), "{}", o.stdout);
+        }
+    }
+}
+
+/// Without a driver, asking for CUDA is an error naming the library; never
+/// a panic (cudarc panics if called without one).
+#[test]
+fn cuda_without_a_driver_is_a_clear_error() {
+    // The stand-in is chosen only by the variable, which this test lacks.
+    assert!(std::env::var_os("CCL_CUDA_STAND_IN").is_none());
+    match ccl::cuda::open(0) {
+        Ok(gpu) => assert!(require_cuda(), "a GPU without CCL_REQUIRE_CUDA=1: {gpu:?}"),
+        Err(e) => {
+            eprintln!("{e}");
+            assert!(!require_cuda(), "CCL_REQUIRE_CUDA=1 but: {e}");
+            assert!(matches!(e, Error::Unsupported(_)), "{e:?}");
+            assert!(e.to_string().contains("libcuda.so"), "{e}");
+        }
+    }
+}
+
+fn stand_in() -> Arc<dyn Gpu> {
+    Arc::new(StandInGpu::new(0).expect("stand-in GPU"))
+}
+
+fn f32s(mem: &Scratch) -> Vec<f32> {
+    // The stand-in's device memory is host memory: read it directly.
+    let kind = MemoryKind::Host;
+    // SAFETY: host memory owned by `mem`, not written while read.
+    let bytes = unsafe { BufRef::from_raw(kind, mem.buf().as_ptr(), mem.len()) };
+    bytemuck::cast_slice(bytes.host().unwrap()).to_vec()
+}
+
+/// NCCL's stream semantics: the call starts after the work queued on the
+/// caller's stream before it, and work queued after it sees its result,
+/// with the host never blocking in between.
+#[test]
+fn device_calls_follow_the_callers_stream() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        let r = comm.rank();
+        let gpu = stand_in();
+        let stream = Stream::new(gpu.clone()).unwrap();
+        let count = 100_000;
+        let input = gpu.alloc_device(count * 4).unwrap();
+        let output = gpu.alloc_device(count * 4).unwrap();
+        let source = vec![(r + 1) as f32; count];
+        let mut result = vec![0f32; count];
+        // The stream first waits for the host, then fills the input.
+        let gate = gpu.alloc_words(1).unwrap();
+        let word = gpu.device_address(gate.buf().as_ptr()).unwrap();
+        gpu.wait_word(stream.raw(), word, 1).unwrap();
+        let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, count);
+        let kind = MemoryKind::Device { ordinal: 0 };
+        // SAFETY: every buffer outlives the stream's work, synchronized below.
+        let work = unsafe {
+            gpu.copy(
+                stream.raw(),
+                input.buf().as_ptr().cast_mut(),
+                source.as_ptr().cast(),
+                count * 4,
+            )
+            .unwrap();
+            let work = comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(kind, input.buf().as_ptr(), count * 4),
+                BufMut::from_raw(kind, output.buf().as_ptr().cast_mut(), count * 4),
+                &stream,
+            );
+            gpu.copy(
+                stream.raw(),
+                result.as_mut_ptr().cast(),
+                output.buf().as_ptr(),
+                count * 4,
+            )
+            .unwrap();
+            work
+        };
+        // Nothing ran: the stream still waits for the host.
+        std::thread::sleep(Duration::from_millis(200));
+        let early = (work.is_completed(), f32s(&output)[0], result[0]);
+        // SAFETY: a word of `alloc_words`.
+        unsafe { &*(gate.buf().as_ptr() as *const AtomicU32) }.store(1, Ordering::Release);
+        work.wait().unwrap();
+        assert!(stream.synchronize(Some(Duration::from_secs(30))).unwrap());
+        (early, result)
+    });
+    for (early, result) in results {
+        assert_eq!(
+            early,
+            (false, 0.0, 0.0),
+            "ran before the stream's earlier work"
+        );
+        assert!(result.iter().all(|&x| x == 3.0), "{:?}", &result[..4]);
+    }
+}
+
+/// A peer that gives up during a device call: the call fails with an error
+/// naming the peer, and the caller's stream is released, not left waiting.
+#[test]
+fn a_lost_peer_fails_the_device_call_and_frees_the_stream() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        if comm.rank() == 1 {
+            comm.abort();
+            return Ok(());
+        }
+        let gpu = stand_in();
+        let stream = Stream::new(gpu.clone()).unwrap();
+        let count = 1 << 20;
+        let buf = gpu.alloc_device(count * 4).unwrap();
+        let coll =
+            Collective::new(CollectiveKind::AllReduce, DataType::F32, count).with_op(ReduceOp::Sum);
+        let kind = MemoryKind::Device { ordinal: 0 };
+        // SAFETY: `buf` outlives the call, waited for below.
+        let work = unsafe {
+            let at = buf.buf().as_ptr().cast_mut();
+            comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(kind, at, count * 4),
+                BufMut::from_raw(kind, at, count * 4),
+                &stream,
+            )
+        };
+        let e = work.wait().unwrap_err();
+        let released = stream.synchronize(Some(Duration::from_secs(30))).unwrap();
+        Err((e, released))
+    });
+    let (e, released) = results[0].clone().unwrap_err();
+    assert!(released, "the stream still waits for a failed call");
+    let text = e.to_string();
+    assert!(text.contains("rank 0") && text.contains("rank 1"), "{text}");
+}
+
+/// Memory of the wrong kind is refused before anything is sent.
+#[test]
+fn device_calls_check_where_their_memory_lives() {
+    let results = with_ranks(1, Options::default(), |comm| {
+        let gpu = stand_in();
+        let stream = Stream::new(gpu.clone()).unwrap();
+        let device = gpu.alloc_device(64).unwrap();
+        let mut host = [0u8; 64];
+        let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, 16);
+        let on = |ordinal| MemoryKind::Device { ordinal };
+        let mut errors = Vec::new();
+        // SAFETY: each call is refused before it touches memory.
+        unsafe {
+            // Host memory in an ordinary host ref.
+            errors.push(comm.launch_on_stream(
+                &coll,
+                BufRef::from_host(&host),
+                BufMut::from_raw(on(0), device.buf().as_ptr().cast_mut(), 64),
+                &stream,
+            ));
+            // Memory of another GPU than the stream's.
+            errors.push(comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(on(1), device.buf().as_ptr(), 64),
+                BufMut::from_raw(on(1), device.buf().as_ptr().cast_mut(), 64),
+                &stream,
+            ));
+            // Host memory passed as device memory.
+            errors.push(comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(on(0), host.as_ptr(), 64),
+                BufMut::from_raw(on(0), host.as_mut_ptr(), 64),
+                &stream,
+            ));
+            // The wrong length.
+            errors.push(comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(on(0), device.buf().as_ptr(), 60),
+                BufMut::from_raw(on(0), device.buf().as_ptr().cast_mut(), 60),
+                &stream,
+            ));
+        }
+        // Device memory without a stream: the host path refuses it.
+        // SAFETY: as above.
+        let plain = unsafe {
+            comm.run(
+                &coll,
+                BufRef::from_raw(on(0), device.buf().as_ptr(), 64),
+                BufMut::from_raw(on(0), device.buf().as_ptr().cast_mut(), 64),
+            )
+        };
+        let mut texts: Vec<String> = errors
+            .into_iter()
+            .map(|w| w.wait().unwrap_err().to_string())
+            .collect();
+        texts.push(plain.unwrap_err().to_string());
+        texts
+    });
+    let t = &results[0];
+    assert!(t[0].contains("input lies in host memory"), "{}", t[0]);
+    assert!(
+        t[1].contains("memory of GPU 1") && t[1].contains("stand-in GPU 0"),
+        "{}",
+        t[1]
+    );
+    assert!(t[2].contains("driver says it is host memory"), "{}", t[2]);
+    assert!(t[3].contains("60 bytes"), "{}", t[3]);
+    assert!(t[4].contains("launch_on_stream"), "{}", t[4]);
+    for text in t {
+        assert!(
+            text.contains("allreduce") || text.contains("launch_on_stream"),
+            "{text}"
+        );
+        assert!(
+            text.contains("rank 0") || text.contains("launch_on_stream"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,41 @@
+//! ccl-transport-cuda-ipc: GPU buffers for ccl.
+//!
+//! A [`Gpu`] is what ccl asks of a device (streams, events, copies, pinned
+//! host memory, words streams wait on). [`open`] gives CUDA device `n`
+//! through the driver API that cudarc loads at run time, so that ccl builds
+//! and runs where there is no CUDA at all (asking for a GPU there is an
+//! error naming the missing library), or, with `CCL_CUDA_STAND_IN=1`, a
+//! stand-in made of host memory and threads that lets every test of the
+//! data path run without a GPU. [`staging`] runs collectives on device
+//! memory as pipelines of host collectives over any link.
+//!
+//! *(Planned, see docs/DESIGN.md:)* CUDA IPC between the GPUs of one host
+//! and the reduction kernels that read a peer's memory in place.
+
+mod cuda;
+mod gpu;
+pub mod staging;
+mod stand_in;
+
+use std::sync::Arc;
+
+pub use gpu::{Flags, Gpu, GpuEvent, RawEvent, RawStream, Stream};
+pub use stand_in::StandInGpu;
+
+use ccl_core::Result;
+
+/// Whether `CCL_CUDA_STAND_IN` asks for the host stand-in instead of CUDA.
+pub fn stand_in_requested() -> bool {
+    std::env::var("CCL_CUDA_STAND_IN").is_ok_and(|v| v == "1")
+}
+
+/// GPU `ordinal`: the CUDA device, or the host stand-in when
+/// `CCL_CUDA_STAND_IN=1`. Without a CUDA driver this is an
+/// [`Error::Unsupported`](ccl_core::Error::Unsupported) that names the
+/// library it looked for.
+pub fn open(ordinal: u32) -> Result<Arc<dyn Gpu>> {
+    if stand_in_requested() {
+        return Ok(Arc::new(StandInGpu::new(ordinal)?));
+    }
+    Ok(Arc::new(cuda::CudaGpu::open(ordinal)?))
+}

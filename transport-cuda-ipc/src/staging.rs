@@ -1,0 +1,338 @@
+//! Pinned host staging: a collective on device memory run as a pipeline of
+//! host collectives over any link.
+//!
+//! A call is cut into chunks (elements `a..b` of every rank's block). For
+//! each chunk, a copy stream moves its pieces from the device into a slot of
+//! pinned host memory ([`Staging::stage_in`], ending in an event that gates
+//! the host collective), the communicator runs the host collective of the
+//! chunk from that slot into the slot's output, and then a second copy
+//! stream moves the result back ([`Staging::stage_out`]) and counts the
+//! chunk as done in a word of pinned memory. Slots are reused in turn: the
+//! copy-in stream waits for that word before it overwrites a slot, so that
+//! up to [`DEPTH`] chunks are in flight, their copies, transfers and
+//! reductions overlapping. The caller's stream takes part at both ends: the
+//! first copy waits for the work already queued on it, and it waits (on the
+//! GPU, for the word) for the last chunk before any later work runs.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use ccl_core::{BufMut, BufRef, Collective, Error, Event, Result, Scratch};
+
+use crate::gpu::{Flags, Gpu, Stream};
+
+/// Slots of pinned memory, so chunks in flight at once.
+pub const DEPTH: usize = 4;
+
+/// How a call's buffers are cut into chunks on one rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Blocks of `count` elements in the input and output (0, 1 or n).
+    pub blocks_in: usize,
+    pub blocks_out: usize,
+    /// Elements of a block.
+    pub count: usize,
+    /// Bytes of an element.
+    pub elem: usize,
+    /// Elements of a block in each chunk (the last may have fewer).
+    pub per_chunk: usize,
+}
+
+impl Layout {
+    /// The layout of `coll` on `rank` of `world_size`, in chunks of at most
+    /// `chunk_bytes` of input or output.
+    pub fn new(coll: &Collective, rank: usize, world_size: usize, chunk_bytes: usize) -> Layout {
+        let (need_in, need_out) = coll.buffer_elems(rank, world_size);
+        let blocks = |elems: usize| elems.checked_div(coll.count).unwrap_or(0);
+        let (blocks_in, blocks_out) = (blocks(need_in), blocks(need_out));
+        // Every rank must cut alike: size chunks by the whole buffer's
+        // blocks (n where the count is per rank), not by this rank's.
+        let elem = coll.dtype.size();
+        let widest = (coll.buffer_bytes(world_size) as usize)
+            .checked_div(coll.count * elem)
+            .unwrap_or(1);
+        let per_chunk = (chunk_bytes / (elem * widest)).max(1);
+        Layout {
+            blocks_in,
+            blocks_out,
+            count: coll.count,
+            elem,
+            per_chunk,
+        }
+    }
+
+    /// How many chunks (at least one, so that every rank makes the call).
+    pub fn chunks(&self) -> usize {
+        self.count.div_ceil(self.per_chunk).max(1)
+    }
+
+    /// Elements `a..a + len` of every block that chunk `k` covers.
+    pub fn range(&self, k: usize) -> (usize, usize) {
+        let a = (k * self.per_chunk).min(self.count);
+        (a, self.per_chunk.min(self.count - a))
+    }
+}
+
+/// A chunk staged in: its collective's host buffers and the event after
+/// which they hold the input.
+pub struct Chunk {
+    /// Its number among all chunks of the communicator.
+    id: u32,
+    /// Elements of a block it covers.
+    from: usize,
+    len: usize,
+    slot: usize,
+    /// The copy-in stream passed the chunk's copies (or what failed).
+    pub gate: Arc<dyn Event>,
+}
+
+impl Chunk {
+    /// Elements of each block in this chunk: the `count` of its collective.
+    pub fn count(&self) -> usize {
+        self.len
+    }
+}
+
+/// One pinned slot: a chunk's collective reads `input` and writes `output`.
+struct Slot {
+    input: Scratch,
+    output: Scratch,
+}
+
+/// What the copy streams and slots serve: one communicator's device calls
+/// on one GPU.
+pub struct Staging {
+    gpu: Arc<dyn Gpu>,
+    copy_in: Stream,
+    copy_out: Stream,
+    slots: Vec<Slot>,
+    /// Word 0: how many chunks were staged out (wrapping).
+    done: Arc<Flags>,
+    chunk_bytes: usize,
+    /// Chunks staged in so far; held for a whole call so that its chunks
+    /// are numbered (and their collectives queued) without interleaving.
+    next: Mutex<u64>,
+}
+
+/// A failed step, as the gate of its chunk: the chunk's collective fails
+/// with it (and so does the call on every rank).
+struct Failed(Error);
+
+impl Event for Failed {
+    fn query(&self) -> Result<bool> {
+        Err(self.0.clone())
+    }
+
+    fn synchronize(&self, _: Option<std::time::Duration>) -> Result<bool> {
+        Err(self.0.clone())
+    }
+}
+
+/// The word reaching a value: chunk `value - 1` is back on the device.
+struct StagedOut {
+    done: Arc<Flags>,
+    value: u32,
+}
+
+impl Event for StagedOut {
+    fn query(&self) -> Result<bool> {
+        let now = self.done.word(0).load(std::sync::atomic::Ordering::Acquire);
+        Ok(now.wrapping_sub(self.value) as i32 >= 0)
+    }
+
+    fn synchronize(&self, timeout: Option<std::time::Duration>) -> Result<bool> {
+        let start = std::time::Instant::now();
+        loop {
+            if self.query()? {
+                return Ok(true);
+            }
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                return Ok(false);
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// A device call being staged: holds the numbering of chunks until dropped.
+pub struct Launch<'a> {
+    staging: &'a Staging,
+    next: MutexGuard<'a, u64>,
+}
+
+impl Staging {
+    /// Copy streams, slots of pinned memory and a word that counts chunks
+    /// on `gpu`, for calls among `world_size` ranks cut in `chunk_bytes`.
+    pub fn new(gpu: Arc<dyn Gpu>, world_size: usize, chunk_bytes: usize) -> Result<Staging> {
+        // A chunk has at least one element of every block (8 bytes at most each).
+        let slot_bytes = chunk_bytes.max(8 * world_size);
+        let mut slots = Vec::with_capacity(DEPTH);
+        for _ in 0..DEPTH {
+            slots.push(Slot {
+                input: gpu.alloc_staging(slot_bytes)?,
+                output: gpu.alloc_staging(slot_bytes)?,
+            });
+        }
+        Ok(Staging {
+            copy_in: Stream::new(gpu.clone())?,
+            copy_out: Stream::new(gpu.clone())?,
+            done: Arc::new(Flags::new(&*gpu, 1)?),
+            gpu,
+            slots,
+            chunk_bytes,
+            next: Mutex::new(0),
+        })
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Arc<dyn Gpu> {
+        &self.gpu
+    }
+
+    /// Bytes of a chunk.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// Starts staging a call: its first copy will wait for the work queued
+    /// on `user` so far.
+    pub fn launch(&self, user: &Stream) -> Result<Launch<'_>> {
+        let next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        self.copy_in.wait(&user.record()?)?;
+        Ok(Launch {
+            staging: self,
+            next,
+        })
+    }
+
+    /// Copies chunk `chunk`'s result from its slot into the device memory
+    /// `output` (laid out as `layout` says) when `ok`, and counts the chunk
+    /// as done either way, so that nothing waits for it forever.
+    ///
+    /// # Safety
+    /// `output` must be the call's device output, valid until the copy-out
+    /// stream has passed the copies.
+    pub unsafe fn stage_out(
+        &self,
+        layout: &Layout,
+        chunk: &Chunk,
+        output: *mut u8,
+        ok: bool,
+    ) -> Result<()> {
+        let slot = &self.slots[chunk.slot];
+        let copied = if ok {
+            pieces(layout, chunk, layout.blocks_out).try_for_each(|(dev, host, len)| {
+                self.gpu.copy(
+                    self.copy_out.raw(),
+                    output.add(dev),
+                    slot.output.buf().as_ptr().add(host),
+                    len,
+                )
+            })
+        } else {
+            Ok(())
+        };
+        let counted = self.gpu.write_word(
+            self.copy_out.raw(),
+            self.done.device_address(0),
+            chunk.id.wrapping_add(1),
+        );
+        copied.and(counted)
+    }
+}
+
+/// The copies of one side of a chunk: (offset in the device buffer, offset
+/// in the slot, bytes) of each of `blocks` blocks.
+fn pieces(
+    layout: &Layout,
+    chunk: &Chunk,
+    blocks: usize,
+) -> impl Iterator<Item = (usize, usize, usize)> {
+    let (elem, count, from, len) = (layout.elem, layout.count, chunk.from, chunk.len);
+    (0..blocks)
+        .map(move |b| ((b * count + from) * elem, b * len * elem, len * elem))
+        .filter(|p| p.2 > 0)
+}
+
+impl Launch<'_> {
+    /// Stages in chunk `k` of a call: its pieces of the device memory
+    /// `input` (laid out as `layout` says) are copied into a free slot. A
+    /// failure is not returned but becomes the chunk's gate, so that every
+    /// chunk's collective is still made (and fails) as on the other ranks.
+    ///
+    /// # Safety
+    /// `input` must be the call's device input, valid and unwritten until
+    /// the chunk's gate has happened.
+    pub unsafe fn stage_in(&mut self, layout: &Layout, input: *const u8, k: usize) -> Chunk {
+        let staging = self.staging;
+        let total = *self.next;
+        *self.next += 1;
+        let id = total as u32;
+        let slot = (total % DEPTH as u64) as usize;
+        let (from, len) = layout.range(k);
+        let mut chunk = Chunk {
+            id,
+            from,
+            len,
+            slot,
+            gate: Arc::new(Failed(Error::Internal("chunk not staged".into()))),
+        };
+        let (gpu, stream) = (&staging.gpu, staging.copy_in.raw());
+        let staged = (|| {
+            if total >= DEPTH as u64 {
+                // The slot's previous chunk must be back on the device.
+                let value = id.wrapping_sub(DEPTH as u32).wrapping_add(1);
+                gpu.wait_word(stream, staging.done.device_address(0), value)?;
+            }
+            let host = staging.slots[slot].input.buf().as_ptr().cast_mut();
+            for (dev, at, bytes) in pieces(layout, &chunk, layout.blocks_in) {
+                gpu.copy(stream, host.add(at), input.add(dev), bytes)?;
+            }
+            staging.copy_in.record()
+        })();
+        chunk.gate = match staged {
+            Ok(event) => Arc::new(event),
+            Err(e) => Arc::new(Failed(e)),
+        };
+        chunk
+    }
+
+    /// The host memory chunk `chunk`'s collective reads and writes.
+    ///
+    /// # Safety
+    /// Only for that collective, after the chunk's gate and until
+    /// [`Staging::stage_out`] of the chunk.
+    pub unsafe fn host_buffers(
+        &self,
+        layout: &Layout,
+        chunk: &Chunk,
+    ) -> (BufRef<'static>, BufMut<'static>) {
+        let slot = &self.staging.slots[chunk.slot];
+        let bytes = |blocks: usize| blocks * chunk.len * layout.elem;
+        (
+            BufRef::from_raw(
+                ccl_core::MemoryKind::Host,
+                slot.input.buf().as_ptr(),
+                bytes(layout.blocks_in),
+            ),
+            BufMut::from_raw(
+                ccl_core::MemoryKind::Host,
+                slot.output.buf().as_ptr().cast_mut(),
+                bytes(layout.blocks_out),
+            ),
+        )
+    }
+
+    /// Ends the call's staging: `user` waits (on the GPU) until its last
+    /// chunk is back on the device; the event returned happens then too.
+    pub fn finish(self, user: &Stream) -> Result<Arc<dyn Event>> {
+        let value = (*self.next) as u32;
+        let staging = self.staging;
+        staging
+            .gpu
+            .wait_word(user.raw(), staging.done.device_address(0), value)?;
+        Ok(Arc::new(StagedOut {
+            done: staging.done.clone(),
+            value,
+        }))
+    }
+}
