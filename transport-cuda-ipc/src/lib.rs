@@ -17,7 +17,10 @@ mod gpu;
 pub mod staging;
 mod stand_in;
 
-use std::sync::Arc;
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+};
 
 pub use gpu::{Flags, Gpu, GpuEvent, RawEvent, RawStream, Stream};
 pub use stand_in::StandInGpu;
@@ -30,12 +33,22 @@ pub fn stand_in_requested() -> bool {
 }
 
 /// GPU `ordinal`: the CUDA device, or the host stand-in when
-/// `CCL_CUDA_STAND_IN=1`. Without a CUDA driver this is an
+/// `CCL_CUDA_STAND_IN=1`; one value per ordinal and process, so that
+/// memory one caller allocates is known to the next (the stand-in's).
+/// Without a CUDA driver this is an
 /// [`Error::Unsupported`](ccl_core::Error::Unsupported) that names the
 /// library it looked for.
 pub fn open(ordinal: u32) -> Result<Arc<dyn Gpu>> {
-    if stand_in_requested() {
-        return Ok(Arc::new(StandInGpu::new(ordinal)?));
+    static OPEN: Mutex<BTreeMap<u32, Arc<dyn Gpu>>> = Mutex::new(BTreeMap::new());
+    let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(gpu) = open.get(&ordinal) {
+        return Ok(gpu.clone());
     }
-    Ok(Arc::new(cuda::CudaGpu::open(ordinal)?))
+    let gpu: Arc<dyn Gpu> = if stand_in_requested() {
+        Arc::new(StandInGpu::new(ordinal)?)
+    } else {
+        Arc::new(cuda::CudaGpu::open(ordinal)?)
+    };
+    open.insert(ordinal, gpu.clone());
+    Ok(gpu)
 }
