@@ -54,6 +54,50 @@ impl Communicator {
         }
     }
 
+    /// [`Communicator::launch_on_stream`] in place on `buf`, counted and
+    /// laid out as the typed methods do (`template` has count 0; see
+    /// [`Communicator::count_in_place`] and [`Communicator::in_place_ranges`]).
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`].
+    pub unsafe fn launch_in_place_on_stream(
+        &self,
+        template: Collective,
+        mut buf: BufMut<'_>,
+        stream: &Stream,
+    ) -> Work<()> {
+        let size = template.dtype.size();
+        let coll = match self.count_in_place(template, buf.len() / size) {
+            Ok(c) => c,
+            Err(e) => return Work::ready(Err(e)),
+        };
+        let (input, output) = self.in_place_ranges(&coll);
+        let (kind, at) = (buf.kind(), buf.as_mut_ptr());
+        let input = BufRef::from_raw(kind, at.add(input.start * size), input.len() * size);
+        let output = BufMut::from_raw(kind, at.add(output.start * size), output.len() * size);
+        self.launch_on_stream(&coll, input, output, stream)
+    }
+
+    /// [`Communicator::launch_on_stream`] from `input` into `output`,
+    /// counted as the typed methods do ([`Communicator::count_out_of_place`];
+    /// `template` has count 0).
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`].
+    pub unsafe fn launch_out_of_place_on_stream(
+        &self,
+        template: Collective,
+        input: BufRef<'_>,
+        output: BufMut<'_>,
+        stream: &Stream,
+    ) -> Work<()> {
+        let size = template.dtype.size();
+        match self.count_out_of_place(template, input.len() / size, output.len() / size) {
+            Ok(coll) => self.launch_on_stream(&coll, input, output, stream),
+            Err(e) => Work::ready(Err(e)),
+        }
+    }
+
     /// Checks a device call and queues its chunks.
     unsafe fn stage(
         &self,

@@ -282,6 +282,12 @@ pub struct BenchArgs {
     /// Verify every iteration's result against independently computed values
     #[arg(short = 'c', long)]
     pub check: bool,
+    /// Where the buffers live: host, or cuda (GPU memory, calls ordered on a stream; CCL_CUDA_STAND_IN=1 imitates a GPU in host memory)
+    #[arg(long, value_name = "KIND", default_value = "host", value_parser = ["host", "cuda"])]
+    pub device: String,
+    /// The GPU of every rank with --device cuda (several ranks may share one)
+    #[arg(long, value_name = "ORDINAL", default_value = "0")]
+    pub gpu: u32,
 }
 
 /// What compare and compare-mpi measure.
@@ -399,6 +405,8 @@ pub struct Plan {
     pub algos: Vec<Option<Choice>>,
     pub algo_requested: String,
     pub transport: String,
+    /// `--device cuda`: the GPU's ordinal; `None`: host memory.
+    pub gpu: Option<u32>,
     pub timeout: Duration,
     pub ranks: Option<usize>,
     pub bind: Bind,
@@ -545,6 +553,7 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
         algos: vec![None],
         algo_requested: "auto".into(),
         transport: "tcp".into(),
+        gpu: None,
         timeout: timeout(c.timeout)?,
         ranks: c.ranks,
         bind: c.placement.bind,
@@ -576,6 +585,12 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     plan.transport = transport;
     plan.algo_requested = a.algo.to_ascii_lowercase();
     plan.check = a.check;
+    if a.device == "cuda" {
+        if coll == Coll::Sendrecv {
+            return Err("--device cuda: sendrecv of device memory is not staged yet".into());
+        }
+        plan.gpu = Some(a.gpu);
+    }
     Ok(plan)
 }
 

@@ -11,6 +11,7 @@ mod bucketer;
 mod coll;
 mod compare;
 mod data;
+mod device;
 mod membw;
 mod mpi;
 mod peers;

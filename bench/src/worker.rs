@@ -16,6 +16,7 @@ use crate::{
     args::{self, Plan},
     coll::Coll,
     data::{Case, CaseSpec, Val},
+    device::{DeviceCase, OnGpu},
     plot::{self, Series},
     report::{self, Report, Row, RunConfig, Versions},
     size::format_size,
@@ -145,24 +146,50 @@ struct Measured {
     wrong: u64,
 }
 
+/// The GPU a run's buffers live on (`--device cuda`), and a case's there.
+type OnDevice<'a> = Option<(&'a OnGpu, &'a DeviceCase)>;
+
+/// One call of the collective, on the host or on the device.
+fn call<T: Val>(
+    comm: &Communicator,
+    plan: &Plan,
+    case: &mut Case<T>,
+    device: OnDevice<'_>,
+) -> Result<(), ccl::Error> {
+    match device {
+        Some((gpu, dev)) => gpu.run_once::<T>(comm, plan, dev),
+        None => run_once(comm, plan, case),
+    }
+}
+
+/// With checking: puts the case's buffers back (also in device memory).
+fn prepare<T: Val>(case: &mut Case<T>, device: OnDevice<'_>) -> Result<(), BoxError> {
+    case.prepare();
+    match device {
+        Some((gpu, dev)) => gpu.upload(dev, case),
+        None => Ok(()),
+    }
+}
+
 fn measure<T: Val>(
     comm: &Communicator,
     plan: &Plan,
     case: &mut Case<T>,
+    device: OnDevice<'_>,
     die: bool,
 ) -> Result<Measured, BoxError> {
     for _ in 0..plan.warmup {
         if plan.check {
-            case.prepare();
+            prepare(case, device)?;
         }
-        run_once(comm, plan, case)?;
+        call(comm, plan, case, device)?;
     }
     comm.barrier()?;
     let mut times = vec![0f64; plan.iters];
     let mut wrong = 0u64;
     for t in times.iter_mut() {
         if plan.check {
-            case.prepare();
+            prepare(case, device)?;
             // Checking takes each rank a different time: start together.
             comm.barrier()?;
         }
@@ -174,9 +201,12 @@ fn measure<T: Val>(
             std::process::exit(3);
         }
         let start = Instant::now();
-        run_once(comm, plan, case)?;
+        call(comm, plan, case, device)?;
         *t = start.elapsed().as_secs_f64();
         if plan.check {
+            if let Some((gpu, dev)) = device {
+                gpu.download(dev, case)?;
+            }
             wrong += case.wrong();
         }
     }
@@ -336,8 +366,31 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         .and_then(|v| v.trim().parse::<usize>().ok())
         == Some(rank);
 
+    // `--device cuda`: the GPU, and the ceiling its copies set, measured now.
+    let gpu = match plan.gpu {
+        Some(ordinal) => Some(OnGpu::open(ordinal)?),
+        None => None,
+    };
+    let gpu_line = match &gpu {
+        Some(g) => {
+            let probe = plan
+                .sizes
+                .iter()
+                .max()
+                .map_or(1 << 20, |&b| b.clamp(1 << 20, 1 << 30));
+            let copy = g.copy_bandwidth(probe as usize)?;
+            format!(
+                "# device: {}, calls ordered on a stream; device-to-device copy {copy:.1} GB/s \
+                 (bytes read + written, {} copies, measured in this run)\n",
+                g.name(),
+                format_size(probe)
+            )
+        }
+        None => String::new(),
+    };
     if is_root {
         print!("{}", header(plan, n, &hosts, &launcher, config, &transport));
+        print!("{gpu_line}");
         if spawned_at.is_some() {
             println!(
                 "# setup: {setup_s:.3} s (spawn {spawn_s:.3} s, rendezvous + connect {:.3} s) for {n} ranks",
@@ -387,13 +440,18 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             inplace: plan.inplace,
             check: plan.check,
         });
+        let dev = match &gpu {
+            Some(g) => Some(g.case(&case)?),
+            None => None,
+        };
+        let device = gpu.as_ref().zip(dev.as_ref());
         for comm in &comms {
             bar.set_message(format!(
                 "{} {}",
                 format_size(bytes),
                 algo_label(comm, plan, count)
             ));
-            let m = measure(comm, plan, &mut case, die).map_err(|e| {
+            let m = measure(comm, plan, &mut case, device, die).map_err(|e| {
                 format!("{} of {} failed: {e}", plan.coll.name(), format_size(bytes))
             })?;
             bar.inc(1);

@@ -785,3 +785,75 @@ fn tune_writes_a_table_the_tuner_reads() {
         }
     }
 }
+
+/// `--device cuda` on the stand-in GPU (`CCL_CUDA_STAND_IN=1`, host memory
+/// posing as device memory): every collective, in place and out of place,
+/// checked, with the device and its copy bandwidth in the header.
+#[test]
+fn device_buffers_check_clean_on_the_stand_in() {
+    for coll in [
+        "allreduce",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "reduce-scatter",
+        "alltoall",
+        "gather",
+        "scatter",
+    ] {
+        for inplace in [false, true] {
+            let (mark, _) = scratch("device");
+            let mut args = vec![
+                coll, "--device", "cuda", "-b", "8B", "-e", "1MB", "-f", "32", "--ranks", "3",
+                "--root", "1", "--check", "--iters", "2", "--warmup", "1",
+            ];
+            if inplace {
+                args.push("--inplace");
+            }
+            let out = command(&mark)
+                .env("CCL_CUDA_STAND_IN", "1")
+                .env("CCL_CUDA_CHUNK", "65536")
+                .args(&args)
+                .output()
+                .expect("ccl-bench runs");
+            let stdout = text(&out.stdout);
+            let what = format!("{coll} inplace {inplace}");
+            assert!(
+                out.status.success(),
+                "{what}: {stdout}\n{}",
+                text(&out.stderr)
+            );
+            assert!(
+                stdout.contains("# device: stand-in GPU 0")
+                    && stdout.contains("device-to-device copy"),
+                "{what}: {stdout}"
+            );
+            assert!(
+                stdout.contains("# Out of bounds values : 0 OK"),
+                "{what}: {stdout}"
+            );
+            assert_no_strays(&mark);
+        }
+    }
+}
+
+/// Without a CUDA driver `--device cuda` stops with the reason, naming the library.
+#[test]
+fn device_cuda_without_a_driver_says_why() {
+    if std::env::var("CCL_REQUIRE_CUDA").is_ok_and(|v| v == "1") {
+        return; // a GPU machine: the driver is there
+    }
+    let (mark, _) = scratch("nocuda");
+    let out = run(
+        &mark,
+        &["allreduce", "--device", "cuda", "--size", "1KB", "-N", "2"],
+    );
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("CUDA is not available") && stderr.contains("libcuda.so"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_no_strays(&mark);
+}

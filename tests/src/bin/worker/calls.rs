@@ -152,39 +152,17 @@ impl OnDevice<'_> {
         }
     }
 
-    /// Runs `coll` from `input` into `output` (bytes of `mem`, ranges in
-    /// elements of `size` bytes) on the stream, and waits.
-    fn launch(
-        &self,
-        coll: &Collective,
-        input: (*const u8, std::ops::Range<usize>),
-        output: (*mut u8, std::ops::Range<usize>),
-    ) -> Result<()> {
-        let size = coll.dtype.size();
-        // SAFETY: the ranges lie in device memory that outlives the wait.
-        let work = unsafe {
-            let input = BufRef::from_raw(
-                self.kind(),
-                input.0.add(input.1.start * size),
-                input.1.len() * size,
-            );
-            let output = BufMut::from_raw(
-                self.kind(),
-                output.0.add(output.1.start * size),
-                output.1.len() * size,
-            );
-            self.comm
-                .launch_on_stream(coll, input, output, &self.stream)
-        };
-        work.wait()
-    }
-
     fn in_place<T: Element>(&self, template: Collective, buf: &mut [T]) -> Result<()> {
-        let coll = self.comm.count_in_place(template, buf.len())?;
-        let (input, output) = self.comm.in_place_ranges(&coll);
         let mem = self.upload(buf)?;
         let at = mem.buf().as_ptr().cast_mut();
-        self.launch(&coll, (at, input), (at, output))?;
+        let bytes = std::mem::size_of_val(buf);
+        // SAFETY: device memory that outlives the wait.
+        unsafe {
+            let buf = BufMut::from_raw(self.kind(), at, bytes);
+            self.comm
+                .launch_in_place_on_stream(template, buf, &self.stream)
+        }
+        .wait()?;
         self.download(&mem, buf)
     }
 
@@ -194,15 +172,15 @@ impl OnDevice<'_> {
         input: &[T],
         output: &mut [T],
     ) -> Result<()> {
-        let coll = self
-            .comm
-            .count_out_of_place(template, input.len(), output.len())?;
         let (from, to) = (self.upload(input)?, self.upload(output)?);
-        self.launch(
-            &coll,
-            (from.buf().as_ptr(), 0..input.len()),
-            (to.buf().as_ptr().cast_mut(), 0..output.len()),
-        )?;
+        // SAFETY: device memory that outlives the wait.
+        unsafe {
+            let input = BufRef::from_raw(self.kind(), from.buf().as_ptr(), from.len());
+            let output = BufMut::from_raw(self.kind(), to.buf().as_ptr().cast_mut(), to.len());
+            self.comm
+                .launch_out_of_place_on_stream(template, input, output, &self.stream)
+        }
+        .wait()?;
         self.download(&to, output)
     }
 }
