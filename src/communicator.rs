@@ -60,6 +60,10 @@ pub(crate) struct Inner {
     /// Pinned host staging for device calls, made at the first one.
     #[cfg(feature = "cuda")]
     pub(crate) staging: Mutex<Option<Arc<ccl_transport_cuda_ipc::staging::Staging>>>,
+    /// The CUDA IPC group for device calls: `None` until the first one,
+    /// then whether it is used.
+    #[cfg(feature = "cuda")]
+    pub(crate) ipc: Mutex<Option<Option<Arc<ccl_transport_cuda_ipc::ipc::IpcGroup>>>>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -231,6 +235,8 @@ impl Communicator {
                 used: connected.used,
                 #[cfg(feature = "cuda")]
                 staging: Mutex::new(None),
+                #[cfg(feature = "cuda")]
+                ipc: Mutex::new(None),
             }),
         })
     }

@@ -1,20 +1,26 @@
 //! Collectives on GPU memory, ordered on the caller's stream as NCCL's are.
 //!
 //! A device call is checked (arguments, lengths, and where its memory
-//! really lives, asked of the driver), then staged: cut into chunks, each
+//! really lives, asked of the driver). Where every rank is on this host it
+//! runs through CUDA IPC, wholly on the caller's stream
+//! ([`ccl_transport_cuda_ipc::ipc`]). Elsewhere it is staged: cut into chunks, each
 //! copied into pinned host memory on the GPU's copy stream, reduced or moved
 //! by a host collective over this communicator's links, and copied back
 //! ([`ccl_transport_cuda_ipc::staging`]). The chunks' collectives are queued
 //! at once, in order, each gated on its copy; the caller's stream waits on
 //! the GPU for the last chunk, and the returned `Work` completes then too.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    sync::{Arc, Mutex},
+    time::Instant,
+};
 
 use ccl_core::{
     work_pair, BufMut, BufRef, Collective, CollectiveKind, Error, MemoryKind, ReduceOp, Result,
     Work,
 };
 use ccl_transport_cuda_ipc::{
+    ipc::{IpcDone, IpcGroup, HANDLE_BYTES},
     staging::{Layout, Staging},
     Gpu, Stream,
 };
@@ -154,6 +160,25 @@ impl Communicator {
                 )));
             }
         }
+        if let Some(group) = self.ipc_group(gpu)? {
+            let count = group.enqueue(coll, input.as_ptr(), output.as_mut_ptr(), stream)?;
+            let timeout = self.timeout();
+            let weak = Arc::downgrade(&self.inner);
+            let done = IpcDone {
+                event: Arc::new(stream.record()?),
+                group,
+                count,
+                deadline: Instant::now() + timeout,
+                timeout,
+                call: format!("{coll} on rank {rank}"),
+                on_timeout: Box::new(move || {
+                    if let Some(inner) = weak.upgrade() {
+                        Communicator { inner }.abort();
+                    }
+                }),
+            };
+            return Ok(Work::ready(Ok(())).after(Arc::new(done)));
+        }
         let staging = self.staging(gpu)?;
         let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
         let (input, output) = (input.as_ptr() as usize, output.as_mut_ptr() as usize);
@@ -216,6 +241,53 @@ impl Communicator {
             self.submit(&sub, choice, io, Some(before), done, false);
         }
         Ok(work.after(launch.finish(stream)?))
+    }
+
+    /// The IPC group of this communicator's GPUs, made at the first device
+    /// call where every rank is on this host (and `CCL_CUDA_IPC` is not 0):
+    /// `None` if it is not to be used, which every rank then agrees on.
+    fn ipc_group(&self, gpu: &Arc<dyn Gpu>) -> Result<Option<Arc<IpcGroup>>> {
+        let inner = &self.inner;
+        let mut slot = inner.ipc.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(group) = &*slot {
+            return Ok(group.clone());
+        }
+        let (rank, n) = (inner.rank, inner.world_size);
+        let eligible = inner.options.cuda_ipc
+            && self.host_size() == n
+            && n <= ccl_transport_cuda_ipc::kernels::MAX_INPUTS;
+        // Every rank must take the same path: agree first, then on success.
+        let mut all = [u8::from(eligible)];
+        self.allreduce(&mut all, ReduceOp::Min)?;
+        let mut group = None;
+        if all[0] == 1 {
+            let exchange = |mine: [u8; HANDLE_BYTES]| {
+                let mut every = vec![0u8; HANDLE_BYTES * n];
+                self.allgather_into(&mine, &mut every)?;
+                Ok(every
+                    .chunks(HANDLE_BYTES)
+                    .map(|c| c.try_into().expect("whole handles"))
+                    .collect())
+            };
+            let made = IpcGroup::new(gpu.clone(), rank, n, inner.options.cuda_ipc_chunk, exchange);
+            let mut ok = [u8::from(made.is_ok())];
+            self.allreduce(&mut ok, ReduceOp::Min)?;
+            match made {
+                Ok(g) if ok[0] == 1 => {
+                    tracing::info!(rank, "device calls read peers' GPU memory through CUDA IPC");
+                    group = Some(Arc::new(g));
+                }
+                Ok(_) => tracing::info!(
+                    rank,
+                    "CUDA IPC refused on another rank; staging through host memory"
+                ),
+                Err(e) => {
+                    tracing::info!(rank, "CUDA IPC refused ({e}); staging through host memory")
+                }
+            }
+        }
+        *slot = Some(group.clone());
+        Ok(group)
     }
 
     /// This communicator's staging on `gpu`, made at the first device call.

@@ -11,6 +11,9 @@ use crate::Transports;
 /// Default bytes of a chunk of a device call staged through host memory.
 pub const DEFAULT_CUDA_CHUNK: usize = 4 << 20;
 
+/// Default bytes of each rank's CUDA IPC slot.
+pub const DEFAULT_CUDA_IPC_CHUNK: usize = 64 << 20;
+
 /// How a communicator connects and behaves, beyond rank, size and store.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -45,6 +48,12 @@ pub struct Options {
     /// Bytes of a chunk of a device call staged through host memory
     /// (`CCL_CUDA_CHUNK`); every rank must use the same.
     pub cuda_chunk: usize,
+    /// Device calls among ranks of one host read each other's GPU memory
+    /// through CUDA IPC (`CCL_CUDA_IPC`, default on; `0` stages them).
+    pub cuda_ipc: bool,
+    /// Bytes of each rank's IPC slot, the most a chunk of an IPC call
+    /// moves (`CCL_CUDA_IPC_CHUNK`); every rank must use the same.
+    pub cuda_ipc_chunk: usize,
 }
 
 impl Default for Options {
@@ -59,6 +68,8 @@ impl Default for Options {
             secret: None,
             debug_checks: false,
             cuda_chunk: DEFAULT_CUDA_CHUNK,
+            cuda_ipc: true,
+            cuda_ipc_chunk: DEFAULT_CUDA_IPC_CHUNK,
         }
     }
 }
@@ -86,6 +97,12 @@ impl Options {
             secret: config.job_secret.clone(),
             debug_checks: config.debug_checks,
             cuda_chunk: config.knob_number("CCL_CUDA_CHUNK", DEFAULT_CUDA_CHUNK, 256..=1 << 30)?,
+            cuda_ipc: config.knob_number("CCL_CUDA_IPC", 1, 0..=1)? == 1,
+            cuda_ipc_chunk: config.knob_number(
+                "CCL_CUDA_IPC_CHUNK",
+                DEFAULT_CUDA_IPC_CHUNK,
+                256..=1 << 32,
+            )?,
         })
     }
 }

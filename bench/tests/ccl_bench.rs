@@ -788,7 +788,8 @@ fn tune_writes_a_table_the_tuner_reads() {
 
 /// `--device cuda` on the stand-in GPU (`CCL_CUDA_STAND_IN=1`, host memory
 /// posing as device memory): every collective, in place and out of place,
-/// checked, with the device and its copy bandwidth in the header.
+/// through CUDA IPC and through host staging, checked, with the device and
+/// its copy bandwidth in the header.
 #[test]
 fn device_buffers_check_clean_on_the_stand_in() {
     for coll in [
@@ -801,7 +802,7 @@ fn device_buffers_check_clean_on_the_stand_in() {
         "gather",
         "scatter",
     ] {
-        for inplace in [false, true] {
+        for (inplace, ipc) in [(false, "1"), (true, "1"), (false, "0"), (true, "0")] {
             let (mark, _) = scratch("device");
             let mut args = vec![
                 coll, "--device", "cuda", "-b", "8B", "-e", "1MB", "-f", "32", "--ranks", "3",
@@ -813,11 +814,13 @@ fn device_buffers_check_clean_on_the_stand_in() {
             let out = command(&mark)
                 .env("CCL_CUDA_STAND_IN", "1")
                 .env("CCL_CUDA_CHUNK", "65536")
+                .env("CCL_CUDA_IPC_CHUNK", "65536")
+                .env("CCL_CUDA_IPC", ipc)
                 .args(&args)
                 .output()
                 .expect("ccl-bench runs");
             let stdout = text(&out.stdout);
-            let what = format!("{coll} inplace {inplace}");
+            let what = format!("{coll} inplace {inplace} IPC {ipc}");
             assert!(
                 out.status.success(),
                 "{what}: {stdout}\n{}",

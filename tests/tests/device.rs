@@ -27,51 +27,104 @@ fn require_cuda() -> bool {
     std::env::var("CCL_REQUIRE_CUDA").is_ok_and(|v| v == "1")
 }
 
+/// Runs the worker's device checks on `n` ranks with `env` (plus the
+/// stand-in, small chunks, and the logs that tell the path taken); returns
+/// whether the ranks used CUDA IPC.
+fn device_checks(n: usize, env: &[(&'static str, &str)]) -> bool {
+    let mut vars: Vec<(&str, String)> = vec![
+        ("CCL_CUDA_STAND_IN", "1".into()),
+        ("CCL_CUDA_CHUNK", "4096".into()),
+        ("CCL_CUDA_IPC_CHUNK", "4096".into()),
+        ("CCL_TIMEOUT", "60s".into()),
+        ("CCL_DEBUG", "info".into()),
+    ];
+    vars.extend(env.iter().map(|&(k, v)| (k, v.to_string())));
+    let what = format!("device collectives, {n} ranks, {env:?}");
+    let out = launch(WORKER, &["device"], n, &vars, Duration::from_secs(300));
+    assert_all_ok(&out, &what);
+    for o in &out {
+        assert!(o.stdout.contains("stand-in GPU 0"), "{what}: {}", o.stdout);
+        assert!(o.stdout.contains(" 0 failures"), "{what}: {}", o.stdout);
+    }
+    let ipc = out
+        .iter()
+        .filter(|o| o.stderr.contains("through CUDA IPC"))
+        .count();
+    assert!(ipc == 0 || ipc == n, "{what}: only {ipc} ranks used IPC");
+    ipc == n
+}
+
 /// Every collective × dtype × op, in place and out of place, on stand-in
-/// device memory, over shared memory and over TCP, in chunks small enough
-/// that many are in flight.
+/// device memory through CUDA IPC (every rank on one host), many chunks each.
 #[test]
-fn every_collective_on_device_memory_through_host_staging() {
-    for (n, transport) in [
-        (1, "shm"),
-        (2, "shm"),
-        (3, "shm"),
-        (4, "shm"),
-        (2, "tcp"),
-        (3, "tcp"),
-    ] {
-        let env = [
-            ("CCL_CUDA_STAND_IN", "1".to_string()),
-            ("CCL_CUDA_CHUNK", "4096".to_string()),
-            ("CCL_TRANSPORT", transport.to_string()),
-            ("CCL_TIMEOUT", "60s".to_string()),
-        ];
-        let out = launch(WORKER, &["device"], n, &env, Duration::from_secs(300));
-        assert_all_ok(
-            &out,
-            &format!("device collectives, {n} ranks over {transport}"),
+fn every_collective_on_device_memory_through_ipc() {
+    for n in [1, 2, 3, 4] {
+        assert!(
+            device_checks(n, &[]),
+            "{n} ranks of one host did not use IPC"
         );
-        for o in &out {
-            assert!(o.stdout.contains("stand-in GPU 0"), "{}", o.stdout);
-            assert!(o.stdout.contains(" 0 failures"), "{}", o.stdout);
-        }
     }
 }
 
-/// The same checks on CUDA device 0, several ranks sharing it, through
-/// forced staging. Runs where `CCL_REQUIRE_CUDA=1` says there is a GPU.
+/// The same through pinned host staging: forced (`CCL_CUDA_IPC=0`), over
+/// shared memory and TCP.
+#[test]
+fn every_collective_on_device_memory_through_host_staging() {
+    for (n, transport) in [(2, "shm"), (3, "shm"), (4, "shm"), (2, "tcp"), (3, "tcp")] {
+        let env = [("CCL_CUDA_IPC", "0"), ("CCL_TRANSPORT", transport)];
+        assert!(!device_checks(n, &env), "IPC despite CCL_CUDA_IPC=0");
+    }
+}
+
+/// Ranks on two hosts (`CCL_HOST_ID`) stage through host memory by themselves.
+#[test]
+fn device_calls_across_hosts_stage_through_host_memory() {
+    let out = ccl_tests::launch_each(
+        WORKER,
+        &["device"],
+        3,
+        |rank| {
+            vec![
+                ("CCL_CUDA_STAND_IN", "1".into()),
+                ("CCL_CUDA_CHUNK", "4096".into()),
+                ("CCL_HOST_ID", format!("host{}", rank % 2)),
+                ("CCL_TIMEOUT", "60s".into()),
+                ("CCL_DEBUG", "info".into()),
+            ]
+        },
+        Duration::from_secs(300),
+    );
+    assert_all_ok(&out, "device collectives on two hosts");
+    for o in &out {
+        assert!(o.stdout.contains(" 0 failures"), "{}", o.stdout);
+        assert!(!o.stderr.contains("through CUDA IPC"), "{}", o.stderr);
+    }
+}
+
+/// The same checks on CUDA device 0, 1 to 4 ranks sharing it, through IPC
+/// and through forced staging. Runs where `CCL_REQUIRE_CUDA=1` says there
+/// is a GPU.
 #[test]
 fn every_collective_on_a_real_gpu() {
     if !require_cuda() {
         eprintln!("skipped: no GPU here (CCL_REQUIRE_CUDA=1 runs this on CUDA device 0)");
         return;
     }
-    for n in [1, 2, 3, 4] {
-        let env = [("CCL_TIMEOUT", "120s".to_string())];
-        let out = launch(WORKER, &["device"], n, &env, Duration::from_secs(600));
-        assert_all_ok(&out, &format!("device collectives on CUDA, {n} ranks"));
-        for o in &out {
-            assert!(o.stdout.contains("CUDA device 0"), "{}", o.stdout);
+    for ipc in ["1", "0"] {
+        for n in [1, 2, 3, 4] {
+            let env = [
+                ("CCL_TIMEOUT", "120s".to_string()),
+                ("CCL_CUDA_IPC", ipc.to_string()),
+            ];
+            let out = launch(WORKER, &["device"], n, &env, Duration::from_secs(600));
+            assert_all_ok(
+                &out,
+                &format!("device collectives on CUDA, {n} ranks, IPC {ipc}"),
+            );
+            for o in &out {
+                assert!(o.stdout.contains("CUDA device 0"), "{}", o.stdout);
+                assert!(o.stdout.contains(" 0 failures"), "{}", o.stdout);
+            }
         }
     }
 }
@@ -110,7 +163,17 @@ fn f32s(mem: &Scratch) -> Vec<f32> {
 /// with the host never blocking in between.
 #[test]
 fn device_calls_follow_the_callers_stream() {
-    let results = with_ranks(2, Options::default(), |comm| {
+    for ipc in [true, false] {
+        let options = Options {
+            cuda_ipc: ipc,
+            ..Options::default()
+        };
+        follows_the_stream(options);
+    }
+}
+
+fn follows_the_stream(options: Options) {
+    let results = with_ranks(2, options, |comm| {
         let r = comm.rank();
         let gpu = stand_in();
         let stream = Stream::new(gpu.clone()).unwrap();
@@ -168,7 +231,7 @@ fn device_calls_follow_the_callers_stream() {
     }
 }
 
-/// A peer that gives up during a device call: the call fails with an error
+/// A peer that gives up before a device call: the call fails with an error
 /// naming the peer, and the caller's stream is released, not left waiting.
 #[test]
 fn a_lost_peer_fails_the_device_call_and_frees_the_stream() {
@@ -202,6 +265,50 @@ fn a_lost_peer_fails_the_device_call_and_frees_the_stream() {
     assert!(released, "the stream still waits for a failed call");
     let text = e.to_string();
     assert!(text.contains("rank 0") && text.contains("rank 1"), "{text}");
+}
+
+/// On the IPC path no host thread watches a call: a peer that never makes
+/// it fails the call at its deadline, naming that peer, and the caller's
+/// stream is released rather than left waiting on the GPU.
+#[test]
+fn a_peer_missing_from_an_ipc_call_is_named_at_the_deadline() {
+    let results = with_ranks(2, Options::default(), |comm| {
+        let gpu = stand_in();
+        let stream = Stream::new(gpu.clone()).unwrap();
+        let buf = gpu.alloc_device(1024).unwrap();
+        let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, 256);
+        let kind = MemoryKind::Device { ordinal: 0 };
+        let run = |comm: &ccl::Communicator| {
+            // SAFETY: `buf` outlives the call, waited for at once.
+            unsafe {
+                let at = buf.buf().as_ptr().cast_mut();
+                comm.launch_on_stream(
+                    &coll,
+                    BufRef::from_raw(kind, at, 1024),
+                    BufMut::from_raw(kind, at, 1024),
+                    &stream,
+                )
+            }
+            .wait()
+        };
+        // Both make the first call (which sets up IPC); rank 1 not the second.
+        run(&comm).unwrap();
+        comm.set_timeout(Duration::from_secs(2));
+        if comm.rank() == 1 {
+            std::thread::sleep(Duration::from_secs(4));
+            return None;
+        }
+        let e = run(&comm).unwrap_err();
+        let released = stream.synchronize(Some(Duration::from_secs(10))).unwrap();
+        Some((e.to_string(), released, comm.broken().is_some()))
+    });
+    let (e, released, broken) = results[0].clone().unwrap();
+    assert!(
+        e.contains("allreduce") && e.contains("rank 0") && e.contains("[1]"),
+        "{e}"
+    );
+    assert!(released, "the stream still waits for the missing peer");
+    assert!(broken, "the communicator is still usable after the timeout");
 }
 
 /// Memory of the wrong kind is refused before anything is sent.

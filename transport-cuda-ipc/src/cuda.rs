@@ -9,10 +9,15 @@ use std::{
     sync::OnceLock,
 };
 
-use ccl_core::{Error, MemoryKind, Result, Scratch};
+use std::collections::HashMap;
+
+use ccl_core::{DataType, Error, MemoryKind, ReduceOp, Result, Scratch};
 use cudarc::driver::sys::{self as cu, CUresult};
 
-use crate::gpu::{Gpu, RawEvent, RawStream};
+use crate::{
+    gpu::{Gpu, RawEvent, RawStream},
+    kernels::{self, MAX_INPUTS},
+};
 
 /// The oldest driver ccl uses: 12.0 (stream memory operations, `_v2` calls).
 const MIN_DRIVER: c_int = 12000;
@@ -83,9 +88,29 @@ fn check(result: CUresult, what: impl FnOnce() -> String) -> Result<()> {
 /// runtime API use, so that streams and memory are shared with them).
 pub struct CudaGpu {
     ordinal: u32,
+    device: cu::CUdevice,
     context: cu::CUcontext,
     name: String,
+    /// The kernels, compiled at first use.
+    kernels: OnceLock<Result<Kernels>>,
+    /// A stream of ccl's own for reads and writes off the caller's streams.
+    side: OnceLock<Result<RawStream>>,
 }
+
+/// The loaded kernels of one device.
+struct Kernels {
+    _module: cu::CUmodule,
+    functions: HashMap<String, cu::CUfunction>,
+    /// Blocks a launch needs at most to fill the device.
+    max_blocks: u32,
+}
+
+/// A reduction kernel's inputs, passed by value.
+#[repr(C)]
+struct Inputs([*const c_void; MAX_INPUTS]);
+
+/// Threads of a block of every kernel.
+const BLOCK: u32 = 256;
 
 // SAFETY: the driver API is thread-safe; the context is only made current.
 unsafe impl Send for CudaGpu {}
@@ -124,9 +149,117 @@ impl CudaGpu {
         )?;
         Ok(CudaGpu {
             ordinal,
+            device,
             context,
             name: format!("CUDA device {ordinal} ({model})"),
+            kernels: OnceLock::new(),
+            side: OnceLock::new(),
         })
+    }
+
+    fn attribute(&self, attribute: cu::CUdevice_attribute) -> Result<c_int> {
+        let mut v: c_int = 0;
+        // SAFETY: out-parameter.
+        check(
+            unsafe { cu::cuDeviceGetAttribute(&mut v, attribute, self.device) },
+            || format!("CUDA cuDeviceGetAttribute({attribute:?}) on {}", self.name),
+        )?;
+        Ok(v)
+    }
+
+    /// Compiles (NVRTC, for this device's architecture) and loads the kernels.
+    fn load_kernels(&self) -> Result<Kernels> {
+        use cu::CUdevice_attribute as A;
+        let major = self.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = self.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms = self.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let ptx = kernels::compile((major * 10 + minor) as u32)?;
+        self.bind()?;
+        let mut module = ptr::null_mut();
+        // SAFETY: NUL-terminated PTX; the module lives as long as the device value.
+        check(
+            unsafe { cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
+            || format!("CUDA cuModuleLoadData (ccl's kernels) on {}", self.name),
+        )?;
+        let mut names: Vec<String> = DataType::ALL.into_iter().map(kernels::scale_name).collect();
+        for dtype in DataType::ALL {
+            for op in ReduceOp::ALL
+                .into_iter()
+                .filter(|op| op.validate(dtype).is_ok())
+            {
+                names.push(kernels::reduce_name(dtype, op));
+            }
+        }
+        let mut functions = HashMap::new();
+        for name in names {
+            let c = std::ffi::CString::new(name.as_str()).expect("no NUL in kernel names");
+            let mut f = ptr::null_mut();
+            // SAFETY: out-parameter; a function of the module loaded above.
+            check(
+                unsafe { cu::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
+                || format!("CUDA cuModuleGetFunction({name})"),
+            )?;
+            functions.insert(name, f);
+        }
+        Ok(Kernels {
+            _module: module,
+            functions,
+            max_blocks: sms as u32 * 8,
+        })
+    }
+
+    /// Launches kernel `name` over `count` elements with `params` on `stream`.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameters.
+    unsafe fn launch(
+        &self,
+        stream: RawStream,
+        name: &str,
+        count: usize,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let kernels = match self.kernels.get_or_init(|| self.load_kernels()) {
+            Ok(k) => k,
+            Err(e) => return Err(e.clone()),
+        };
+        let f = *kernels
+            .functions
+            .get(name)
+            .ok_or_else(|| Error::Internal(format!("no kernel {name}")))?;
+        if count == 0 {
+            return Ok(());
+        }
+        let blocks = (count as u64)
+            .div_ceil(BLOCK as u64)
+            .min(kernels.max_blocks as u64) as u32;
+        self.bind()?;
+        check(
+            cu::cuLaunchKernel(
+                f,
+                blocks,
+                1,
+                1,
+                BLOCK,
+                1,
+                1,
+                0,
+                stream as cu::CUstream,
+                params.as_mut_ptr(),
+                ptr::null_mut(),
+            ),
+            || {
+                format!(
+                    "CUDA cuLaunchKernel({name}, {count} elements) on {}",
+                    self.name
+                )
+            },
+        )
+    }
+
+    /// ccl's own stream, for reads and writes off the caller's streams.
+    fn side_stream(&self) -> Result<RawStream> {
+        self.side.get_or_init(|| self.create_stream()).clone()
     }
 
     /// Makes the device's context current on this thread.
@@ -168,6 +301,18 @@ impl Drop for CudaGpu {
 struct DeviceMem(cu::CUdeviceptr);
 /// Pinned host memory from `cuMemHostAlloc`.
 struct PinnedHost(*mut c_void);
+/// Another process's device memory, from `cuIpcOpenMemHandle`.
+struct IpcMapping(cu::CUdeviceptr);
+
+// SAFETY: an address only.
+unsafe impl Send for IpcMapping {}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        // SAFETY: opened by cuIpcOpenMemHandle, closed once.
+        unsafe { cu::cuIpcCloseMemHandle(self.0) };
+    }
+}
 
 // SAFETY: addresses only; the driver frees them from any thread.
 unsafe impl Send for DeviceMem {}
@@ -188,6 +333,144 @@ impl Drop for PinnedHost {
 }
 
 impl Gpu for CudaGpu {
+    fn read_word(&self, word: u64) -> Result<u32> {
+        let side = self.side_stream()?;
+        let mut value: u32 = 0;
+        // SAFETY: a word of device memory; synchronized before `value` is read.
+        unsafe {
+            check(
+                cu::cuMemcpyDtoHAsync_v2(
+                    (&mut value as *mut u32).cast(),
+                    word,
+                    4,
+                    side as cu::CUstream,
+                ),
+                || format!("CUDA cuMemcpyDtoHAsync(word {word:#x})"),
+            )?;
+            check(cu::cuStreamSynchronize(side as cu::CUstream), || {
+                "CUDA cuStreamSynchronize (ccl's side stream)".into()
+            })?;
+        }
+        Ok(value)
+    }
+
+    fn set_word(&self, word: u64, value: u32) -> Result<()> {
+        let side = self.side_stream()?;
+        // SAFETY: a word of device memory.
+        unsafe {
+            check(
+                cu::cuMemsetD32Async(word, value, 1, side as cu::CUstream),
+                || format!("CUDA cuMemsetD32Async(word {word:#x})"),
+            )?;
+            check(cu::cuStreamSynchronize(side as cu::CUstream), || {
+                "CUDA cuStreamSynchronize (ccl's side stream)".into()
+            })
+        }
+    }
+
+    unsafe fn reduce(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        inputs: &[*const u8],
+        count: usize,
+    ) -> Result<()> {
+        if inputs.is_empty() || inputs.len() > MAX_INPUTS {
+            return Err(Error::Internal(format!(
+                "a reduction of {} inputs",
+                inputs.len()
+            )));
+        }
+        let mut ptrs = Inputs([ptr::null(); MAX_INPUTS]);
+        for (slot, &p) in ptrs.0.iter_mut().zip(inputs) {
+            *slot = p.cast();
+        }
+        let (mut out, mut nin, mut n) = (out.cast::<c_void>(), inputs.len() as c_int, count as u64);
+        let mut divisor = nin;
+        let mut params = [
+            (&mut out as *mut *mut c_void).cast(),
+            (&mut ptrs as *mut Inputs).cast(),
+            (&mut nin as *mut c_int).cast(),
+            (&mut n as *mut u64).cast(),
+            (&mut divisor as *mut c_int).cast(),
+        ];
+        self.launch(stream, &kernels::reduce_name(dtype, op), count, &mut params)
+    }
+
+    unsafe fn scale(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        input: *const u8,
+        count: usize,
+    ) -> Result<()> {
+        let ReduceOp::PreMulSum(scalar) = op else {
+            return Err(Error::Internal(format!("scaling for {op}")));
+        };
+        // Integers multiply by the scalar modulo 2^64, as the CPU kernels do.
+        let mut k: u64 = if scalar.abs() < 2f64.powi(127) {
+            scalar as i128 as u64
+        } else {
+            0
+        };
+        let (mut out, mut input, mut s, mut n) = (
+            out.cast::<c_void>(),
+            input.cast::<c_void>(),
+            scalar,
+            count as u64,
+        );
+        let mut params = [
+            (&mut out as *mut *mut c_void).cast(),
+            (&mut input as *mut *const c_void).cast(),
+            (&mut k as *mut u64).cast(),
+            (&mut s as *mut f64).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        self.launch(stream, &kernels::scale_name(dtype), count, &mut params)
+    }
+
+    fn export(&self, mem: &Scratch) -> Result<Vec<u8>> {
+        self.bind()?;
+        let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
+        let at = mem.buf().as_ptr();
+        // SAFETY: device memory from cuMemAlloc (`alloc_device`).
+        check(
+            unsafe { cu::cuIpcGetMemHandle(&mut handle, at as cu::CUdeviceptr) },
+            || format!("CUDA cuIpcGetMemHandle({at:p}) on {}", self.name),
+        )?;
+        Ok(handle.reserved.iter().map(|&b| b as u8).collect())
+    }
+
+    fn import(&self, handle: &[u8], len: usize) -> Result<Scratch> {
+        let mut h = cu::CUipcMemHandle { reserved: [0; 64] };
+        if handle.len() != h.reserved.len() {
+            return Err(Error::Internal(format!(
+                "a CUDA IPC handle of {} bytes",
+                handle.len()
+            )));
+        }
+        for (d, &b) in h.reserved.iter_mut().zip(handle) {
+            *d = b as std::ffi::c_char;
+        }
+        self.bind()?;
+        let mut d: cu::CUdeviceptr = 0;
+        let lazy = cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
+        // SAFETY: out-parameter; closed by `IpcMapping`.
+        check(
+            unsafe { cu::cuIpcOpenMemHandle_v2(&mut d, h, lazy) },
+            || format!("CUDA cuIpcOpenMemHandle on {}", self.name),
+        )?;
+        let kind = MemoryKind::Device {
+            ordinal: self.ordinal,
+        };
+        // SAFETY: the peer's memory, mapped until `IpcMapping` drops.
+        Ok(unsafe { Scratch::from_raw(kind, d as *mut u8, len, Box::new(IpcMapping(d))) })
+    }
+
     fn ordinal(&self) -> u32 {
         self.ordinal
     }

@@ -10,7 +10,7 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use ccl_core::{Event, MemoryKind, Result, Scratch};
+use ccl_core::{DataType, Event, MemoryKind, ReduceOp, Result, Scratch};
 
 /// A stream handle of a [`Gpu`] (a `CUstream` for CUDA; 0 is the default stream).
 pub type RawStream = u64;
@@ -84,6 +84,54 @@ pub trait Gpu: Send + Sync + 'static {
 
     /// Enqueues on `stream` a write of `value` to the word at device address `word`.
     fn write_word(&self, stream: RawStream, word: u64, value: u32) -> Result<()>;
+
+    /// Reads the word at device address `word` now, off the caller's
+    /// streams (to tell, after a timeout, which peer is behind).
+    fn read_word(&self, word: u64) -> Result<u32>;
+
+    /// Writes the word at device address `word` now, off the caller's
+    /// streams (to release streams that wait for a peer that failed).
+    fn set_word(&self, word: u64, value: u32) -> Result<()>;
+
+    /// Enqueues on `stream` the elementwise reduction of `inputs` (device
+    /// memory, `count` elements of `dtype` each, folded in order) into
+    /// `out`: `Avg` divides by `inputs.len()`, `PreMulSum` sums (its inputs
+    /// were scaled by [`Gpu::scale`]). At most [`crate::kernels::MAX_INPUTS`].
+    ///
+    /// # Safety
+    /// As for [`Gpu::copy`], for every region.
+    unsafe fn reduce(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        inputs: &[*const u8],
+        count: usize,
+    ) -> Result<()>;
+
+    /// Enqueues on `stream` `out = input × scalar` for `PreMulSum(scalar)`
+    /// (`count` elements of `dtype`; `out` may be `input`).
+    ///
+    /// # Safety
+    /// As for [`Gpu::copy`].
+    unsafe fn scale(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        input: *const u8,
+        count: usize,
+    ) -> Result<()>;
+
+    /// A handle with which other processes of this host map the device
+    /// memory `mem` (from [`Gpu::alloc_device`]).
+    fn export(&self, mem: &Scratch) -> Result<Vec<u8>>;
+
+    /// Maps `len` bytes of device memory that another process exported;
+    /// unmapped when the `Scratch` drops.
+    fn import(&self, handle: &[u8], len: usize) -> Result<Scratch>;
 }
 
 impl fmt::Debug for dyn Gpu {

@@ -9,11 +9,14 @@
 //! data path run without a GPU. [`staging`] runs collectives on device
 //! memory as pipelines of host collectives over any link.
 //!
-//! *(Planned, see docs/DESIGN.md:)* CUDA IPC between the GPUs of one host
-//! and the reduction kernels that read a peer's memory in place.
+//! [`ipc`] runs them among the GPUs of one host straight from each other's
+//! memory, on the caller's stream, with the reduction [`kernels`] compiled
+//! by NVRTC.
 
 mod cuda;
 mod gpu;
+pub mod ipc;
+pub mod kernels;
 pub mod staging;
 mod stand_in;
 

@@ -65,10 +65,27 @@ impl Layout {
         self.count.div_ceil(self.per_chunk).max(1)
     }
 
-    /// Elements `a..a + len` of every block that chunk `k` covers.
-    pub fn range(&self, k: usize) -> (usize, usize) {
-        let a = (k * self.per_chunk).min(self.count);
-        (a, self.per_chunk.min(self.count - a))
+    /// The elements of every block that chunk `k` covers.
+    pub fn chunk(&self, k: usize) -> Span {
+        let from = (k * self.per_chunk).min(self.count);
+        Span {
+            from,
+            len: self.per_chunk.min(self.count - from),
+        }
+    }
+}
+
+/// Elements `from..from + len` of every block: one chunk of a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    from: usize,
+    len: usize,
+}
+
+impl Span {
+    /// Elements of each block in this chunk: the `count` of its collective.
+    pub fn count(&self) -> usize {
+        self.len
     }
 }
 
@@ -77,9 +94,8 @@ impl Layout {
 pub struct Chunk {
     /// Its number among all chunks of the communicator.
     id: u32,
-    /// Elements of a block it covers.
-    from: usize,
-    len: usize,
+    /// Elements of each block it covers.
+    span: Span,
     slot: usize,
     /// The copy-in stream passed the chunk's copies (or what failed).
     pub gate: Arc<dyn Event>,
@@ -88,7 +104,7 @@ pub struct Chunk {
 impl Chunk {
     /// Elements of each block in this chunk: the `count` of its collective.
     pub fn count(&self) -> usize {
-        self.len
+        self.span.len
     }
 }
 
@@ -220,7 +236,7 @@ impl Staging {
     ) -> Result<()> {
         let slot = &self.slots[chunk.slot];
         let copied = if ok {
-            pieces(layout, chunk, layout.blocks_out).try_for_each(|(dev, host, len)| {
+            pieces(layout, &chunk.span, layout.blocks_out).try_for_each(|(dev, host, len)| {
                 self.gpu.copy(
                     self.copy_out.raw(),
                     output.add(dev),
@@ -241,16 +257,15 @@ impl Staging {
 }
 
 /// The copies of one side of a chunk: (offset in the device buffer, offset
-/// in the slot, bytes) of each of `blocks` blocks.
-fn pieces(
+/// in the slot, bytes) of each of `blocks` blocks, none when it is empty.
+pub(crate) fn pieces(
     layout: &Layout,
-    chunk: &Chunk,
+    span: &Span,
     blocks: usize,
 ) -> impl Iterator<Item = (usize, usize, usize)> {
-    let (elem, count, from, len) = (layout.elem, layout.count, chunk.from, chunk.len);
-    (0..blocks)
-        .map(move |b| ((b * count + from) * elem, b * len * elem, len * elem))
-        .filter(|p| p.2 > 0)
+    let (elem, count, from, len) = (layout.elem, layout.count, span.from, span.len);
+    let blocks = if len == 0 { 0 } else { blocks };
+    (0..blocks).map(move |b| ((b * count + from) * elem, b * len * elem, len * elem))
 }
 
 impl Launch<'_> {
@@ -268,11 +283,9 @@ impl Launch<'_> {
         *self.next += 1;
         let id = total as u32;
         let slot = (total % DEPTH as u64) as usize;
-        let (from, len) = layout.range(k);
         let mut chunk = Chunk {
             id,
-            from,
-            len,
+            span: layout.chunk(k),
             slot,
             gate: Arc::new(Failed(Error::Internal("chunk not staged".into()))),
         };
@@ -284,7 +297,7 @@ impl Launch<'_> {
                 gpu.wait_word(stream, staging.done.device_address(0), value)?;
             }
             let host = staging.slots[slot].input.buf().as_ptr().cast_mut();
-            for (dev, at, bytes) in pieces(layout, &chunk, layout.blocks_in) {
+            for (dev, at, bytes) in pieces(layout, &chunk.span, layout.blocks_in) {
                 gpu.copy(stream, host.add(at), input.add(dev), bytes)?;
             }
             staging.copy_in.record()
@@ -307,7 +320,7 @@ impl Launch<'_> {
         chunk: &Chunk,
     ) -> (BufRef<'static>, BufMut<'static>) {
         let slot = &self.staging.slots[chunk.slot];
-        let bytes = |blocks: usize| blocks * chunk.len * layout.elem;
+        let bytes = |blocks: usize| blocks * chunk.span.len * layout.elem;
         (
             BufRef::from_raw(
                 ccl_core::MemoryKind::Host,

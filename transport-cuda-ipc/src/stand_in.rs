@@ -19,14 +19,17 @@ use std::{
     time::Duration,
 };
 
-use ccl_core::{AlignedBuf, Error, MemoryKind, Result, Scratch};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+use ccl_core::{kernels, DataType, Error, MemoryKind, ReduceOp, Result, Scratch};
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 
 use crate::gpu::{Gpu, RawEvent, RawStream};
 
 type Op = Box<dyn FnOnce() + Send>;
 
-/// Device allocations: start address → length.
-type Allocations = Arc<Mutex<BTreeMap<usize, usize>>>;
+/// Device allocations: start address → length and the memfd's number.
+type Allocations = Arc<Mutex<BTreeMap<usize, (usize, RawFd)>>>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -74,6 +77,12 @@ impl StandInGpu {
             .map_err(|_| Error::Internal(format!("{}: stream {stream:#x} stopped", self.name())))
     }
 
+    fn kind(&self) -> MemoryKind {
+        MemoryKind::Device {
+            ordinal: self.ordinal,
+        }
+    }
+
     fn event(&self, event: RawEvent) -> Result<Arc<AtomicBool>> {
         lock(&self.events)
             .get(&event)
@@ -98,17 +107,69 @@ fn wait_until(done: impl Fn() -> bool) {
     }
 }
 
-/// Device memory of the stand-in: host memory, unregistered when dropped.
-struct DeviceAllocation {
-    _mem: AlignedBuf,
-    start: usize,
-    allocations: Allocations,
+/// Shared memory mapped into this process: device memory of the stand-in
+/// (a memfd, which other processes map through `/proc/PID/fd/FD`, as CUDA
+/// IPC maps device memory), unmapped when dropped.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    /// The memfd of memory allocated here (imports close theirs at once).
+    _fd: Option<OwnedFd>,
+    /// Allocations here are registered, to tell device from host memory.
+    registered: Option<Allocations>,
 }
 
-impl Drop for DeviceAllocation {
+// SAFETY: owns its mapping, like a Vec.
+unsafe impl Send for Mapping {}
+
+impl Drop for Mapping {
     fn drop(&mut self) {
-        lock(&self.allocations).remove(&self.start);
+        if let Some(a) = &self.registered {
+            lock(a).remove(&(self.ptr as usize));
+        }
+        // SAFETY: mapped by `map`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
+}
+
+/// Maps `len` bytes of the shared memory `fd`.
+fn map(fd: &OwnedFd, len: usize) -> Result<*mut u8> {
+    // SAFETY: a fresh shared mapping of a file this process holds open.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(Error::io(
+            "mapping stand-in device memory",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(ptr.cast())
+}
+
+/// The stand-in's kernels: the CPU kernels, on a copy (inputs may alias `out`).
+fn host_reduce(op: ReduceOp, dtype: DataType, out: usize, inputs: &[usize], bytes: usize) {
+    // SAFETY (all below): device memory of the stand-in that the enqueuer
+    // keeps valid until the stream passes this operation.
+    let view = |at: usize| unsafe { std::slice::from_raw_parts(at as *const u8, bytes) };
+    let mut acc = view(inputs[0]).to_vec();
+    let fold = if matches!(op, ReduceOp::PreMulSum(_)) {
+        ReduceOp::Sum
+    } else {
+        op
+    };
+    for &input in &inputs[1..] {
+        kernels::reduce(fold, dtype, &mut acc, None, view(input)).expect("checked arguments");
+    }
+    kernels::finalize(fold, dtype, &mut acc, inputs.len()).expect("checked arguments");
+    unsafe { std::ptr::copy(acc.as_ptr(), out as *mut u8, bytes) };
 }
 
 impl Gpu for StandInGpu {
@@ -124,28 +185,26 @@ impl Gpu for StandInGpu {
         let at = ptr as usize;
         let allocations = lock(&self.allocations);
         Ok(match allocations.range(..=at).next_back() {
-            Some((&start, &len)) if at < start + len.max(1) => MemoryKind::Device {
-                ordinal: self.ordinal,
-            },
+            Some((&start, &(len, _))) if at < start + len.max(1) => self.kind(),
             _ => MemoryKind::Host,
         })
     }
 
     fn alloc_device(&self, len: usize) -> Result<Scratch> {
-        let mut mem = AlignedBuf::zeroed(len.max(1));
-        let ptr = mem.as_mut_slice().as_mut_ptr();
-        let start = ptr as usize;
-        lock(&self.allocations).insert(start, len);
-        let owner = DeviceAllocation {
-            _mem: mem,
-            start,
-            allocations: self.allocations.clone(),
+        let io = |e: nix::Error| Error::io("allocating stand-in device memory", e.into());
+        let fd = memfd_create(c"ccl-stand-in-gpu", MemFdCreateFlag::MFD_CLOEXEC).map_err(io)?;
+        let size = len.max(1);
+        nix::unistd::ftruncate(&fd, size as i64).map_err(io)?;
+        let ptr = map(&fd, size)?;
+        lock(&self.allocations).insert(ptr as usize, (len, fd.as_raw_fd()));
+        let owner = Mapping {
+            ptr,
+            len: size,
+            _fd: Some(fd),
+            registered: Some(self.allocations.clone()),
         };
-        let kind = MemoryKind::Device {
-            ordinal: self.ordinal,
-        };
-        // SAFETY: `owner` holds the allocation, which does not move with it.
-        Ok(unsafe { Scratch::from_raw(kind, ptr, len, Box::new(owner)) })
+        // SAFETY: `owner` holds the mapping, which does not move with it.
+        Ok(unsafe { Scratch::from_raw(self.kind(), ptr, len, Box::new(owner)) })
     }
 
     fn alloc_staging(&self, len: usize) -> Result<Scratch> {
@@ -230,6 +289,113 @@ impl Gpu for StandInGpu {
                 wait_until(|| (w.load(Ordering::Acquire).wrapping_sub(value) as i32) >= 0)
             }),
         )
+    }
+
+    fn read_word(&self, word: u64) -> Result<u32> {
+        // SAFETY: a word of memory the caller keeps mapped.
+        Ok(unsafe { &*(word as *const AtomicU32) }.load(Ordering::Acquire))
+    }
+
+    fn set_word(&self, word: u64, value: u32) -> Result<()> {
+        // SAFETY: as in `read_word`.
+        unsafe { &*(word as *const AtomicU32) }.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    unsafe fn reduce(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        inputs: &[*const u8],
+        count: usize,
+    ) -> Result<()> {
+        if inputs.is_empty() || inputs.len() > crate::kernels::MAX_INPUTS {
+            return Err(Error::Internal(format!(
+                "a reduction of {} inputs",
+                inputs.len()
+            )));
+        }
+        op.validate(dtype)?;
+        let (out, inputs) = (
+            out as usize,
+            inputs.iter().map(|&p| p as usize).collect::<Vec<_>>(),
+        );
+        let bytes = count * dtype.size();
+        self.enqueue(
+            stream,
+            Box::new(move || host_reduce(op, dtype, out, &inputs, bytes)),
+        )
+    }
+
+    unsafe fn scale(
+        &self,
+        stream: RawStream,
+        op: ReduceOp,
+        dtype: DataType,
+        out: *mut u8,
+        input: *const u8,
+        count: usize,
+    ) -> Result<()> {
+        let (out, input, bytes) = (out as usize, input as usize, count * dtype.size());
+        self.enqueue(
+            stream,
+            Box::new(move || {
+                // SAFETY: as in `host_reduce`.
+                let mut copy =
+                    unsafe { std::slice::from_raw_parts(input as *const u8, bytes) }.to_vec();
+                kernels::prescale(op, dtype, &mut copy).expect("checked arguments");
+                unsafe { std::ptr::copy(copy.as_ptr(), out as *mut u8, bytes) };
+            }),
+        )
+    }
+
+    fn export(&self, mem: &Scratch) -> Result<Vec<u8>> {
+        let at = mem.buf().as_ptr() as usize;
+        let Some(&(_, fd)) = lock(&self.allocations).get(&at) else {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {at:#x} is not device memory it allocated",
+                self.name()
+            )));
+        };
+        let mut handle = Vec::with_capacity(12);
+        handle.extend_from_slice(&std::process::id().to_le_bytes());
+        handle.extend_from_slice(&fd.to_le_bytes());
+        Ok(handle)
+    }
+
+    fn import(&self, handle: &[u8], len: usize) -> Result<Scratch> {
+        let bad = || Error::Protocol {
+            rank: 0,
+            peer: 0,
+            call: String::new(),
+            msg: format!("a stand-in memory handle of {} bytes", handle.len()),
+        };
+        let (pid, fd) = match handle {
+            [a, b, c, d, e, f, g, h] => (
+                u32::from_le_bytes([*a, *b, *c, *d]),
+                i32::from_le_bytes([*e, *f, *g, *h]),
+            ),
+            _ => return Err(bad()),
+        };
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Error::io(format!("opening {path} (stand-in IPC)"), e))?;
+        let fd = OwnedFd::from(file);
+        let size = len.max(1);
+        let ptr = map(&fd, size)?;
+        let owner = Mapping {
+            ptr,
+            len: size,
+            _fd: None,
+            registered: None,
+        };
+        // SAFETY: `owner` holds the mapping.
+        Ok(unsafe { Scratch::from_raw(self.kind(), ptr, len, Box::new(owner)) })
     }
 
     fn write_word(&self, stream: RawStream, word: u64, value: u32) -> Result<()> {
