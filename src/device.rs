@@ -43,6 +43,25 @@ impl Communicator {
     /// of `stream`'s GPU ([`MemoryKind::Device`]). Host memory passed as
     /// device memory, or the reverse, is an error (the driver is asked).
     ///
+    /// ```no_run
+    /// use ccl::{cuda, BufMut, BufRef, Collective, CollectiveKind, Communicator, DataType, MemoryKind, ReduceOp};
+    /// let comm = Communicator::from_env()?;
+    /// let gpu = cuda::open(0)?;
+    /// let stream = cuda::Stream::new(gpu.clone())?;
+    /// let n = 1 << 20;
+    /// let grad = gpu.alloc_device(n * 4)?;
+    /// let on_gpu = MemoryKind::Device { ordinal: 0 };
+    /// let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, n).with_op(ReduceOp::Sum);
+    /// // SAFETY: `grad` stays allocated, and is touched only through `stream`, until the Work completes.
+    /// let work = unsafe {
+    ///     let at = grad.buf().as_ptr().cast_mut();
+    ///     let (input, output) = (BufRef::from_raw(on_gpu, at, n * 4), BufMut::from_raw(on_gpu, at, n * 4));
+    ///     comm.launch_on_stream(&coll, input, output, &stream)
+    /// };
+    /// work.wait()?;
+    /// # Ok::<(), ccl::Error>(())
+    /// ```
+    ///
     /// # Safety
     /// The memory must stay valid, and be neither written (input) nor
     /// accessed (output) other than through work ordered after this call on
