@@ -20,7 +20,7 @@ use ccl_core::{
     Work,
 };
 use ccl_transport_cuda_ipc::{
-    ipc::{IpcDone, IpcGroup, HANDLE_BYTES},
+    ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
     staging::{Layout, Staging},
     Gpu, Stream,
 };
@@ -180,7 +180,20 @@ impl Communicator {
             }
         }
         if let Some(group) = self.ipc_group(gpu)? {
-            let count = group.enqueue(coll, input.as_ptr(), output.as_mut_ptr(), stream)?;
+            let (from, to) = (input.as_ptr(), output.as_mut_ptr());
+            let direct = coll.kind == CollectiveKind::AllReduce
+                && !matches!(coll.op, ReduceOp::PreMulSum(_))
+                && coll.count * size >= self.inner.options.cuda_ipc_direct;
+            let count = match direct
+                .then(|| self.map_buffers(&group, from, to))
+                .transpose()?
+            {
+                Some(Some(bufs)) => {
+                    tracing::debug!(rank, call = %coll, "between the ranks' own buffers");
+                    group.enqueue_allreduce(coll, &bufs, stream)?
+                }
+                _ => group.enqueue(coll, from, to, stream)?,
+            };
             let timeout = self.timeout();
             let weak = Arc::downgrade(&self.inner);
             let done = IpcDone {
@@ -260,6 +273,39 @@ impl Communicator {
             self.submit(&sub, choice, io, Some(before), done, false);
         }
         Ok(work.after(launch.finish(stream)?))
+    }
+
+    /// Every rank's buffers of a direct IPC call, mapped here: `None` (on
+    /// every rank alike) where some rank's cannot be exported (memory of
+    /// the stream-ordered allocator, say), and the call goes through slots.
+    fn map_buffers(
+        &self,
+        group: &IpcGroup,
+        input: *const u8,
+        output: *mut u8,
+    ) -> Result<Option<Direct>> {
+        let n = self.inner.world_size;
+        let mine = group.describe(input, output).unwrap_or_else(|e| {
+            tracing::debug!(
+                rank = self.inner.rank,
+                "buffers not exportable ({e}); through slots"
+            );
+            [0; DESCRIPTION_BYTES]
+        });
+        let mut every = vec![0u8; DESCRIPTION_BYTES * n];
+        self.allgather_into(&mine, &mut every)?;
+        let all: Vec<[u8; DESCRIPTION_BYTES]> = every
+            .chunks(DESCRIPTION_BYTES)
+            .map(|c| c.try_into().expect("whole descriptions"))
+            .collect();
+        // A handle is never empty: an empty one is a rank that could not export.
+        let exportable = all
+            .iter()
+            .all(|d| d[0] != 0 && d[DESCRIPTION_BYTES / 2] != 0);
+        if !exportable {
+            return Ok(None);
+        }
+        group.map(&all, input, output).map(Some)
     }
 
     /// The IPC group of this communicator's GPUs, made at the first device

@@ -14,6 +14,11 @@ pub const DEFAULT_CUDA_CHUNK: usize = 4 << 20;
 /// Default bytes of each rank's CUDA IPC slot.
 pub const DEFAULT_CUDA_IPC_CHUNK: usize = 64 << 20;
 
+/// Default size from which allreduces through CUDA IPC go between the
+/// ranks' own buffers (below, the host round trip that maps them costs more
+/// than the copies into the slots).
+pub const DEFAULT_CUDA_IPC_DIRECT: usize = 1 << 20;
+
 /// How a communicator connects and behaves, beyond rank, size and store.
 #[derive(Clone, Debug)]
 pub struct Options {
@@ -54,6 +59,10 @@ pub struct Options {
     /// Bytes of each rank's IPC slot, the most a chunk of an IPC call
     /// moves (`CCL_CUDA_IPC_CHUNK`); every rank must use the same.
     pub cuda_ipc_chunk: usize,
+    /// Allreduces of at least this many bytes through CUDA IPC read and
+    /// write the ranks' own buffers, without the slots' copies
+    /// (`CCL_CUDA_IPC_DIRECT`); every rank must use the same.
+    pub cuda_ipc_direct: usize,
 }
 
 impl Default for Options {
@@ -70,6 +79,7 @@ impl Default for Options {
             cuda_chunk: DEFAULT_CUDA_CHUNK,
             cuda_ipc: true,
             cuda_ipc_chunk: DEFAULT_CUDA_IPC_CHUNK,
+            cuda_ipc_direct: DEFAULT_CUDA_IPC_DIRECT,
         }
     }
 }
@@ -102,6 +112,11 @@ impl Options {
                 "CCL_CUDA_IPC_CHUNK",
                 DEFAULT_CUDA_IPC_CHUNK,
                 256..=1 << 32,
+            )?,
+            cuda_ipc_direct: config.knob_number(
+                "CCL_CUDA_IPC_DIRECT",
+                DEFAULT_CUDA_IPC_DIRECT,
+                0..=usize::MAX,
             )?,
         })
     }

@@ -51,6 +51,14 @@ fn device_checks(n: usize, env: &[(&'static str, &str)]) -> bool {
         .filter(|o| o.stderr.contains("through CUDA IPC"))
         .count();
     assert!(ipc == 0 || ipc == n, "{what}: only {ipc} ranks used IPC");
+    if env.contains(&("CCL_CUDA_IPC_DIRECT", "0")) {
+        for o in &out {
+            let direct = o.stderr.matches("between the ranks' own buffers").count();
+            // Every allreduce but the pre-multiplied sums': 4 counts x 10
+            // types x (2 forms x ops), and the large one.
+            assert!(direct >= 100, "{what}: {direct} direct allreduces");
+        }
+    }
     ipc == n
 }
 
@@ -63,6 +71,19 @@ fn every_collective_on_device_memory_through_ipc() {
             device_checks(n, &[]),
             "{n} ranks of one host did not use IPC"
         );
+    }
+}
+
+/// Allreduces through IPC between the ranks' own buffers (every size here),
+/// each buffer mapped by the peers, in place and out of place.
+#[test]
+fn allreduces_through_ipc_between_the_ranks_own_buffers() {
+    for n in [2, 3] {
+        let env = [
+            ("CCL_CUDA_IPC_DIRECT", "0"),
+            ("CCL_DEBUG", "info,ccl::device=debug"),
+        ];
+        assert!(device_checks(n, &env), "{n} ranks did not use IPC");
     }
 }
 

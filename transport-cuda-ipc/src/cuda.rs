@@ -15,7 +15,7 @@ use ccl_core::{DataType, Error, MemoryKind, ReduceOp, Result, Scratch};
 use cudarc::driver::sys::{self as cu, CUresult};
 
 use crate::{
-    gpu::{Gpu, RawEvent, RawStream},
+    gpu::{Exported, Gpu, RawEvent, RawStream},
     kernels::{self, MAX_INPUTS},
 };
 
@@ -465,16 +465,28 @@ impl Gpu for CudaGpu {
         self.launch(stream, &kernels::scale_name(dtype), count, &mut params)
     }
 
-    fn export(&self, mem: &Scratch) -> Result<Vec<u8>> {
+    fn export(&self, at: *const u8) -> Result<Exported> {
         self.bind()?;
-        let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
-        let at = mem.buf().as_ptr();
-        // SAFETY: device memory from cuMemAlloc (`alloc_device`).
+        let (mut base, mut len): (cu::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: out-parameters; `at` is only looked up.
         check(
-            unsafe { cu::cuIpcGetMemHandle(&mut handle, at as cu::CUdeviceptr) },
-            || format!("CUDA cuIpcGetMemHandle({at:p}) on {}", self.name),
+            unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut len, at as cu::CUdeviceptr) },
+            || format!("CUDA cuMemGetAddressRange({at:p}) on {}", self.name),
         )?;
-        Ok(handle.reserved.iter().map(|&b| b as u8).collect())
+        let mut handle = cu::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: the base of an allocation of this device.
+        check(unsafe { cu::cuIpcGetMemHandle(&mut handle, base) }, || {
+            format!(
+                "CUDA cuIpcGetMemHandle({at:p}; memory of the stream-ordered allocator cannot be \
+                 exported) on {}",
+                self.name
+            )
+        })?;
+        Ok(Exported {
+            handle: handle.reserved.iter().map(|&b| b as u8).collect(),
+            len,
+            offset: at as usize - base as usize,
+        })
     }
 
     fn import(&self, handle: &[u8], len: usize) -> Result<Scratch> {

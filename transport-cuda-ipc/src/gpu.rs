@@ -12,6 +12,17 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use ccl_core::{DataType, Event, MemoryKind, ReduceOp, Result, Scratch};
 
+/// Device memory as another process maps it ([`Gpu::export`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exported {
+    /// What [`Gpu::import`] takes.
+    pub handle: Vec<u8>,
+    /// Bytes of the whole allocation.
+    pub len: usize,
+    /// Where the exported address lies in it.
+    pub offset: usize,
+}
+
 /// A stream handle of a [`Gpu`] (a `CUstream` for CUDA; 0 is the default stream).
 pub type RawStream = u64;
 /// An event handle of a [`Gpu`] (a `CUevent` for CUDA).
@@ -125,9 +136,11 @@ pub trait Gpu: Send + Sync + 'static {
         count: usize,
     ) -> Result<()>;
 
-    /// A handle with which other processes of this host map the device
-    /// memory `mem` (from [`Gpu::alloc_device`]).
-    fn export(&self, mem: &Scratch) -> Result<Vec<u8>>;
+    /// The allocation of device memory that holds `at` (from
+    /// [`Gpu::alloc_device`] or the driver's synchronous allocator), as
+    /// other processes of this host map it: a handle, the allocation's
+    /// length, and the offset of `at` in it.
+    fn export(&self, at: *const u8) -> Result<Exported>;
 
     /// Maps `len` bytes of device memory that another process exported;
     /// unmapped when the `Scratch` drops.

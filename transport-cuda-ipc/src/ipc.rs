@@ -13,8 +13,15 @@
 //! too: each rank writes its count of barriers into its header word
 //! (`cuStreamWriteValue32`) and waits for every peer's to reach it
 //! (`cuStreamWaitValue32`). Several ranks on one GPU work alike.
+//!
+//! Large allreduces skip the slots ([`IpcGroup::enqueue_allreduce`]): the
+//! ranks describe their own buffers to each other (one host allgather per
+//! call), map them once per allocation, and reduce and copy between them.
 
-use std::sync::{Arc, Mutex};
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+};
 
 use ccl_core::{Collective, CollectiveKind, Error, Event, ReduceOp, Result, Scratch};
 
@@ -70,6 +77,21 @@ pub struct IpcGroup {
     slot_bytes: usize,
     /// Barriers enqueued so far (the same count on every rank).
     barriers: Mutex<u32>,
+    /// The peers' user buffers mapped here, by (rank, handle): mapped once,
+    /// kept while the group lives (an allocation freed by its owner stays
+    /// mapped here, which keeps its memory from the driver until then).
+    mapped: Mutex<HashMap<(usize, Vec<u8>), Scratch>>,
+}
+
+/// Bytes of one rank's description of its buffers for a direct call:
+/// for input and output, a handle (length-prefixed), the allocation's
+/// length and the buffer's offset in it.
+pub const DESCRIPTION_BYTES: usize = 2 * (1 + 79 + 16);
+
+/// Where every rank's input and output of a direct call lie, as mapped here.
+pub struct Direct {
+    inputs: Vec<*const u8>,
+    outputs: Vec<*mut u8>,
 }
 
 /// A handle as it travels: its length, then its bytes, padded.
@@ -90,7 +112,7 @@ impl IpcGroup {
         // Every rank takes part in the exchange, even one that failed to
         // export (it sends an empty handle), so that none waits for it.
         let exported = gpu.alloc_device(HEADER + slot_bytes).and_then(|mine| {
-            let handle = gpu.export(&mine)?;
+            let handle = gpu.export(mine.buf().as_ptr())?.handle;
             if handle.is_empty() || handle.len() >= HANDLE_BYTES {
                 return Err(Error::Internal(format!(
                     "an IPC handle of {} bytes",
@@ -136,7 +158,125 @@ impl IpcGroup {
             bases,
             slot_bytes,
             barriers: Mutex::new(0),
+            mapped: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Describes this rank's `input` and `output` (device memory) for the
+    /// peers of a direct call ([`IpcGroup::map`] takes every rank's).
+    pub fn describe(&self, input: *const u8, output: *mut u8) -> Result<[u8; DESCRIPTION_BYTES]> {
+        let mut d = [0u8; DESCRIPTION_BYTES];
+        for (half, at) in [input, output.cast_const()].into_iter().enumerate() {
+            let e = self.gpu.export(at)?;
+            let part = &mut d[half * DESCRIPTION_BYTES / 2..][..DESCRIPTION_BYTES / 2];
+            if e.handle.len() > 79 {
+                return Err(Error::Internal(format!(
+                    "an IPC handle of {} bytes",
+                    e.handle.len()
+                )));
+            }
+            part[0] = e.handle.len() as u8;
+            part[1..=e.handle.len()].copy_from_slice(&e.handle);
+            part[80..88].copy_from_slice(&(e.len as u64).to_le_bytes());
+            part[88..96].copy_from_slice(&(e.offset as u64).to_le_bytes());
+        }
+        Ok(d)
+    }
+
+    /// Maps every rank's buffers from their descriptions (in rank order),
+    /// reusing the mappings of allocations seen before.
+    pub fn map(
+        &self,
+        all: &[[u8; DESCRIPTION_BYTES]],
+        input: *const u8,
+        output: *mut u8,
+    ) -> Result<Direct> {
+        let mut mapped = self.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        let mut direct = Direct {
+            inputs: Vec::with_capacity(all.len()),
+            outputs: Vec::with_capacity(all.len()),
+        };
+        for (p, d) in all.iter().enumerate() {
+            if p == self.rank {
+                direct.inputs.push(input);
+                direct.outputs.push(output);
+                continue;
+            }
+            for half in 0..2 {
+                let part = &d[half * DESCRIPTION_BYTES / 2..][..DESCRIPTION_BYTES / 2];
+                let handle = part[1..=(part[0] as usize).min(79)].to_vec();
+                let number = |at: usize| {
+                    u64::from_le_bytes(part[at..at + 8].try_into().expect("8 bytes")) as usize
+                };
+                let (len, offset) = (number(80), number(88));
+                let key = (p, handle);
+                if !mapped.contains_key(&key) {
+                    let m = self.gpu.import(&key.1, len).map_err(|e| {
+                        Error::Unsupported(format!(
+                            "rank {}: cannot map rank {p}'s buffer through IPC: {e}",
+                            self.rank
+                        ))
+                    })?;
+                    mapped.insert(key.clone(), m);
+                }
+                let base = mapped[&key].buf().as_ptr() as usize;
+                if half == 0 {
+                    direct.inputs.push((base + offset) as *const u8);
+                } else {
+                    direct.outputs.push((base + offset) as *mut u8);
+                }
+            }
+        }
+        Ok(direct)
+    }
+
+    /// Enqueues an allreduce (not a pre-multiplied sum) straight between
+    /// the ranks' own buffers, in two steps: each rank reduces its slice of
+    /// every rank's input into its output, then copies every other slice
+    /// from the output of the rank that reduced it. In place works too (a
+    /// rank writes only what no peer reads in that step). Returns the
+    /// barrier count of its last barrier.
+    ///
+    /// # Safety
+    /// `direct` must come from [`IpcGroup::map`] for this call, whose
+    /// buffers stay valid until the stream passes it.
+    pub unsafe fn enqueue_allreduce(
+        &self,
+        coll: &Collective,
+        direct: &Direct,
+        stream: &Stream,
+    ) -> Result<u32> {
+        let (rank, n) = (self.rank, self.world_size);
+        let size = coll.dtype.size();
+        let slice = |r: usize| (r * coll.count / n, (r + 1) * coll.count / n);
+        let mut count = self.barriers.lock().unwrap_or_else(|p| p.into_inner());
+        let (gpu, raw) = (&self.gpu, stream.raw());
+        // Every rank's input is ready and output free.
+        self.barrier(stream, &mut count)?;
+        let (a, b) = slice(rank);
+        let inputs: Vec<*const u8> = direct.inputs.iter().map(|p| p.add(a * size)).collect();
+        gpu.reduce(
+            raw,
+            coll.op,
+            coll.dtype,
+            direct.outputs[rank].add(a * size),
+            &inputs,
+            b - a,
+        )?;
+        self.barrier(stream, &mut count)?;
+        for q in (0..n).filter(|&q| q != rank) {
+            let (a, b) = slice(q);
+            let from = direct.outputs[q].add(a * size).cast_const();
+            gpu.copy(
+                raw,
+                direct.outputs[rank].add(a * size),
+                from,
+                (b - a) * size,
+            )?;
+        }
+        // No peer reads this rank's buffers any more once all are here.
+        self.barrier(stream, &mut count)?;
+        Ok(*count)
     }
 
     /// Bytes of a slot, the most a chunk stages.

@@ -25,7 +25,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-pub use gpu::{Flags, Gpu, GpuEvent, RawEvent, RawStream, Stream};
+pub use gpu::{Exported, Flags, Gpu, GpuEvent, RawEvent, RawStream, Stream};
 pub use stand_in::StandInGpu;
 
 use ccl_core::Result;

@@ -24,12 +24,14 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use ccl_core::{kernels, DataType, Error, MemoryKind, ReduceOp, Result, Scratch};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
 
-use crate::gpu::{Gpu, RawEvent, RawStream};
+use crate::gpu::{Exported, Gpu, RawEvent, RawStream};
 
 type Op = Box<dyn FnOnce() + Send>;
 
-/// Device allocations: start address → length and the memfd's number.
-type Allocations = Arc<Mutex<BTreeMap<usize, (usize, RawFd)>>>;
+/// Device allocations: start address → length, the memfd's number, and a
+/// serial number (so that a handle never names two allocations, as a memfd
+/// number may once the first is freed).
+type Allocations = Arc<Mutex<BTreeMap<usize, (usize, RawFd, u64)>>>;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -185,7 +187,7 @@ impl Gpu for StandInGpu {
         let at = ptr as usize;
         let allocations = lock(&self.allocations);
         Ok(match allocations.range(..=at).next_back() {
-            Some((&start, &(len, _))) if at < start + len.max(1) => self.kind(),
+            Some((&start, &(len, _, _))) if at < start + len.max(1) => self.kind(),
             _ => MemoryKind::Host,
         })
     }
@@ -196,7 +198,8 @@ impl Gpu for StandInGpu {
         let size = len.max(1);
         nix::unistd::ftruncate(&fd, size as i64).map_err(io)?;
         let ptr = map(&fd, size)?;
-        lock(&self.allocations).insert(ptr as usize, (len, fd.as_raw_fd()));
+        let serial = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        lock(&self.allocations).insert(ptr as usize, (len, fd.as_raw_fd(), serial));
         let owner = Mapping {
             ptr,
             len: size,
@@ -351,18 +354,28 @@ impl Gpu for StandInGpu {
         )
     }
 
-    fn export(&self, mem: &Scratch) -> Result<Vec<u8>> {
-        let at = mem.buf().as_ptr() as usize;
-        let Some(&(_, fd)) = lock(&self.allocations).get(&at) else {
+    fn export(&self, at: *const u8) -> Result<Exported> {
+        let at = at as usize;
+        let allocations = lock(&self.allocations);
+        let Some((&start, &(len, fd, serial))) = allocations
+            .range(..=at)
+            .next_back()
+            .filter(|(&start, &(len, _, _))| at < start + len.max(1))
+        else {
             return Err(Error::InvalidArgument(format!(
                 "{}: {at:#x} is not device memory it allocated",
                 self.name()
             )));
         };
-        let mut handle = Vec::with_capacity(12);
+        let mut handle = Vec::with_capacity(16);
         handle.extend_from_slice(&std::process::id().to_le_bytes());
         handle.extend_from_slice(&fd.to_le_bytes());
-        Ok(handle)
+        handle.extend_from_slice(&serial.to_le_bytes());
+        Ok(Exported {
+            handle,
+            len,
+            offset: at - start,
+        })
     }
 
     fn import(&self, handle: &[u8], len: usize) -> Result<Scratch> {
@@ -372,13 +385,11 @@ impl Gpu for StandInGpu {
             call: String::new(),
             msg: format!("a stand-in memory handle of {} bytes", handle.len()),
         };
-        let (pid, fd) = match handle {
-            [a, b, c, d, e, f, g, h] => (
-                u32::from_le_bytes([*a, *b, *c, *d]),
-                i32::from_le_bytes([*e, *f, *g, *h]),
-            ),
-            _ => return Err(bad()),
-        };
+        if handle.len() != 16 {
+            return Err(bad());
+        }
+        let word = |i: usize| [handle[i], handle[i + 1], handle[i + 2], handle[i + 3]];
+        let (pid, fd) = (u32::from_le_bytes(word(0)), i32::from_le_bytes(word(4)));
         let path = format!("/proc/{pid}/fd/{fd}");
         let file = std::fs::OpenOptions::new()
             .read(true)
