@@ -19,7 +19,7 @@ use crate::{
 };
 
 /// What a job calls once it no longer touches its memory.
-type Done = Box<dyn FnOnce(Result<()>) + Send>;
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// The kernels for memory of `kind`.
 fn kernels_for(kind: MemoryKind) -> Result<&'static dyn Kernels> {
@@ -346,9 +346,30 @@ impl Communicator {
         dtype: DataType,
         peer: usize,
         send: bool,
-        mut mem: BufMut<'_>,
+        mem: BufMut<'_>,
         finish: impl FnOnce() -> R + Send + 'static,
     ) -> Work<R> {
+        let (work, completer) = work_pair();
+        let done: Done = Box::new(move |r| completer.complete(r.map(|()| finish())));
+        self.submit_transfer(dtype, peer, send, mem, None, done);
+        work
+    }
+
+    /// Checks a point-to-point transfer of `mem` and queues it on its lane,
+    /// to start after `before` (if any); `done` gets its result, or the
+    /// reason it was refused.
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch`], until `done` is called.
+    pub(crate) unsafe fn submit_transfer(
+        &self,
+        dtype: DataType,
+        peer: usize,
+        send: bool,
+        mut mem: BufMut<'_>,
+        before: Option<Before>,
+        done: Done,
+    ) {
         let inner = &self.inner;
         let size = dtype.size();
         let coll =
@@ -365,7 +386,7 @@ impl Communicator {
         });
         let kernels = match checked {
             Ok(k) => k,
-            Err(e) => return Work::ready(Err(e)),
+            Err(e) => return done(Err(e)),
         };
         let (ptr, len) = (mem.as_mut_ptr(), mem.len());
         let io = if send {
@@ -374,7 +395,6 @@ impl Communicator {
             IoBuffers::from_raw(std::ptr::NonNull::dangling().as_ptr(), 0, ptr, len, kernels)
         };
         let schedule = std::sync::Arc::new(ccl_algorithms::transfer(peer, coll.count, send));
-        let (work, completer) = work_pair();
         let _order = inner.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
         let seq = {
             let mut seqs = inner.p2p_seq.lock().unwrap_or_else(|p| p.into_inner());
@@ -396,12 +416,11 @@ impl Communicator {
                 io,
                 deadline: self.timeout(),
                 lane: Some((peer, send)),
-                before: None,
-                done: Box::new(move |r| completer.complete(r.map(|()| finish()))),
+                before,
+                done,
             },
             false,
         );
-        work
     }
 
     /// Whether an allreduce of `count` elements of `dtype` runs on group

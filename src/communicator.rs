@@ -60,6 +60,10 @@ pub(crate) struct Inner {
     /// Pinned host staging for device calls, made at the first one.
     #[cfg(feature = "cuda")]
     pub(crate) staging: Mutex<Option<Arc<ccl_transport_cuda_ipc::staging::Staging>>>,
+    /// Pinned host staging for device transfers, per (peer, this rank sends).
+    #[cfg(feature = "cuda")]
+    pub(crate) transfer_staging:
+        Mutex<HashMap<(usize, bool), Arc<ccl_transport_cuda_ipc::staging::Staging>>>,
     /// The CUDA IPC group for device calls: `None` until the first one,
     /// then whether it is used.
     #[cfg(feature = "cuda")]
@@ -235,6 +239,8 @@ impl Communicator {
                 used: connected.used,
                 #[cfg(feature = "cuda")]
                 staging: Mutex::new(None),
+                #[cfg(feature = "cuda")]
+                transfer_staging: Mutex::new(HashMap::new()),
                 #[cfg(feature = "cuda")]
                 ipc: Mutex::new(None),
             }),

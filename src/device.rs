@@ -16,13 +16,13 @@ use std::{
 };
 
 use ccl_core::{
-    work_pair, BufMut, BufRef, Collective, CollectiveKind, Error, MemoryKind, ReduceOp, Result,
-    Work,
+    work_pair, BufMut, BufRef, Collective, CollectiveKind, DataType, Error, Event, MemoryKind,
+    ReduceOp, Result, Work,
 };
 use ccl_transport_cuda_ipc::{
     ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
-    staging::{Layout, Staging},
-    Gpu, Stream,
+    staging::{Chunk, Layout, Staging},
+    Gpu, GpuEvent, Stream,
 };
 
 use crate::{call::Prepared, engine::Before, Communicator};
@@ -31,6 +31,39 @@ use crate::{call::Prepared, engine::Before, Communicator};
 struct Outcome {
     error: Option<Error>,
     completer: Option<ccl_core::Completer<()>>,
+}
+
+/// One side of a point-to-point transfer of device memory, for
+/// [`Communicator::launch_transfers_on_stream`].
+pub struct Transfer<'a> {
+    dtype: DataType,
+    peer: usize,
+    send: bool,
+    mem: BufMut<'a>,
+}
+
+impl<'a> Transfer<'a> {
+    /// A send of `data` (elements of `dtype`) to rank `peer`.
+    pub fn send(dtype: DataType, peer: usize, data: BufRef<'a>) -> Transfer<'a> {
+        // SAFETY: the memory of `data`, borrowed as long; a send only reads it.
+        let mem = unsafe { BufMut::from_raw(data.kind(), data.as_ptr().cast_mut(), data.len()) };
+        Transfer {
+            dtype,
+            peer,
+            send: true,
+            mem,
+        }
+    }
+
+    /// A receive from rank `peer` into `into` (elements of `dtype`).
+    pub fn recv(dtype: DataType, peer: usize, into: BufMut<'a>) -> Transfer<'a> {
+        Transfer {
+            dtype,
+            peer,
+            send: false,
+            mem: into,
+        }
+    }
 }
 
 impl Communicator {
@@ -123,6 +156,138 @@ impl Communicator {
         }
     }
 
+    /// Queues a send of the device memory `data` (elements of `dtype`) to
+    /// rank `peer`, in the order of `stream`; `peer` receives it with
+    /// [`Communicator::launch_recv_on_stream`] (or a host `recv`) of the
+    /// same length. Transfers are staged through pinned host memory in
+    /// chunks, on a lane per peer and direction. Like NCCL's, a transfer
+    /// holds up later work on `stream` until it is done: a rank that both
+    /// sends and receives on one stream (an exchange) queues them together
+    /// with [`Communicator::launch_transfers_on_stream`].
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`]: `data` stays valid and
+    /// unwritten until the returned `Work` completes.
+    pub unsafe fn launch_send_on_stream(
+        &self,
+        dtype: DataType,
+        peer: usize,
+        data: BufRef<'_>,
+        stream: &Stream,
+    ) -> Work<()> {
+        let mut works =
+            self.launch_transfers_on_stream(vec![Transfer::send(dtype, peer, data)], stream);
+        works.remove(0)
+    }
+
+    /// Queues a receive from rank `peer` into the device memory `into`, in
+    /// the order of `stream` (see [`Communicator::launch_send_on_stream`]).
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`]: `into` stays valid and
+    /// untouched until the returned `Work` completes.
+    pub unsafe fn launch_recv_on_stream(
+        &self,
+        dtype: DataType,
+        peer: usize,
+        into: BufMut<'_>,
+        stream: &Stream,
+    ) -> Work<()> {
+        let mut works =
+            self.launch_transfers_on_stream(vec![Transfer::recv(dtype, peer, into)], stream);
+        works.remove(0)
+    }
+
+    /// Queues transfers of device memory together, as NCCL's calls between
+    /// `ncclGroupStart` and `ncclGroupEnd`: they all start after the work
+    /// queued on `stream` so far, none waits for another, and work queued
+    /// on `stream` afterwards sees every one's result. One `Work` per
+    /// transfer, in order.
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`], for every transfer's memory.
+    pub unsafe fn launch_transfers_on_stream(
+        &self,
+        transfers: Vec<Transfer<'_>>,
+        stream: &Stream,
+    ) -> Vec<Work<()>> {
+        let start = stream.record();
+        transfers
+            .into_iter()
+            .map(|t| {
+                let staged = start
+                    .as_ref()
+                    .map_err(Error::clone)
+                    .and_then(|start| self.stage_transfer(t, start, stream));
+                staged.unwrap_or_else(|e| Work::ready(Err(e)))
+            })
+            .collect()
+    }
+
+    /// Checks a device transfer and queues its chunks on their lane, the
+    /// first after `start`.
+    unsafe fn stage_transfer(
+        &self,
+        t: Transfer<'_>,
+        start: &GpuEvent,
+        stream: &Stream,
+    ) -> Result<Work<()>> {
+        let Transfer {
+            dtype,
+            peer,
+            send,
+            mut mem,
+        } = t;
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let gpu = stream.gpu();
+        let size = dtype.size();
+        let coll =
+            Collective::new(CollectiveKind::SendRecv, dtype, mem.len() / size).with_root(peer);
+        let bad = |what: String| Error::InvalidArgument(format!("{coll} on rank {rank}: {what}"));
+        coll.validate(rank, n)?;
+        if mem.len() % size != 0 {
+            return Err(bad(format!(
+                "{} bytes are not whole {dtype} elements",
+                mem.len()
+            )));
+        }
+        let (ptr, len) = (mem.as_mut_ptr(), mem.len());
+        if len > 0 {
+            let what = if send { "input" } else { "output" };
+            on_device(gpu, what, mem.kind(), ptr).map_err(bad)?;
+        }
+        let staging = self.transfer_staging(gpu, peer, send)?;
+        let whole = Layout::new(&coll, rank, n, staging.chunk_bytes());
+        let layout = match send {
+            true => Layout {
+                blocks_out: 0,
+                ..whole
+            },
+            false => Layout {
+                blocks_in: 0,
+                ..whole
+            },
+        };
+        let (work, outcome) = Outcome::new();
+        let mut launch = staging.launch_after(start)?;
+        let chunks = layout.chunks();
+        for k in 0..chunks {
+            let chunk = launch.stage_in(&layout, ptr, k);
+            let (host_in, host_out) = launch.host_buffers(&layout, &chunk);
+            let host = match send {
+                true => {
+                    BufMut::from_raw(MemoryKind::Host, host_in.as_ptr().cast_mut(), host_in.len())
+                }
+                false => host_out,
+            };
+            let before = staged_in(chunk.gate.clone(), None);
+            let last = k + 1 == chunks;
+            let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome, last);
+            self.submit_transfer(dtype, peer, send, host, Some(before), done);
+        }
+        Ok(work.after(launch.finish(stream)?))
+    }
+
     /// Checks a device call and queues its chunks.
     unsafe fn stage(
         &self,
@@ -136,13 +301,12 @@ impl Communicator {
         let bad = |what: String| Error::InvalidArgument(format!("{coll} on rank {rank}: {what}"));
         if coll.kind == CollectiveKind::SendRecv {
             return Err(bad(
-                "point-to-point transfers of device memory are not staged yet".into(),
+                "point-to-point transfers go through launch_send_on_stream and \
+                 launch_recv_on_stream"
+                    .into(),
             ));
         }
         coll.validate(rank, n)?;
-        let device = MemoryKind::Device {
-            ordinal: gpu.ordinal(),
-        };
         let (need_in, need_out) = coll.buffer_elems(rank, n);
         let size = coll.dtype.size();
         let buffers = [
@@ -159,12 +323,6 @@ impl Communicator {
             if need == 0 {
                 continue;
             }
-            if kind != device {
-                return Err(bad(format!(
-                    "the {what} lies in {kind}, but the stream is of {}",
-                    gpu.name()
-                )));
-            }
             if len != need * size {
                 return Err(bad(format!(
                     "the {what} has {len} bytes, expected {need} elements of {} ({} bytes)",
@@ -172,12 +330,7 @@ impl Communicator {
                     need * size
                 )));
             }
-            let actual = gpu.kind_of(ptr)?;
-            if actual != kind {
-                return Err(bad(format!(
-                    "the {what} at {ptr:p} was passed as {kind}, but the driver says it is {actual}"
-                )));
-            }
+            on_device(gpu, what, kind, ptr).map_err(bad)?;
         }
         if let Some(group) = self.ipc_group(gpu)? {
             let (from, to) = (input.as_ptr(), output.as_mut_ptr());
@@ -214,11 +367,7 @@ impl Communicator {
         let staging = self.staging(gpu)?;
         let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
         let (input, output) = (input.as_ptr() as usize, output.as_mut_ptr() as usize);
-        let (work, completer) = work_pair::<()>();
-        let outcome = Arc::new(Mutex::new(Outcome {
-            error: None,
-            completer: Some(completer),
-        }));
+        let (work, outcome) = Outcome::new();
         let mut launch = staging.launch(stream)?;
         let chunks = layout.chunks();
         for k in 0..chunks {
@@ -238,36 +387,20 @@ impl Communicator {
                 chunk.gate.clone(),
                 (host_in.as_ptr() as usize, host_in.len()),
             );
-            let before: Before = Box::new(move |deadline| {
-                if !gate.synchronize(Some(deadline))? {
-                    return Err(Error::Timeout {
-                        context: format!("rank {rank}"),
-                        what: "the GPU to copy the call's input into host memory".into(),
-                        after: deadline,
-                    });
-                }
-                match prescale {
+            let then = prescale.map(|op| {
+                Box::new(move || {
                     // SAFETY: the chunk's staged input, which only this job uses now.
-                    Some(op) => ccl_core::kernels::prescale(op, sub.dtype, unsafe {
-                        std::slice::from_raw_parts_mut(scale.0 as *mut u8, scale.1)
-                    }),
-                    None => Ok(()),
-                }
+                    let staged =
+                        unsafe { std::slice::from_raw_parts_mut(scale.0 as *mut u8, scale.1) };
+                    ccl_core::kernels::prescale(op, sub.dtype, staged)
+                }) as Box<dyn FnOnce() -> Result<()> + Send>
             });
-            let (staging, outcome) = (staging.clone(), outcome.clone());
+            let before = staged_in(gate, then);
             let last = k + 1 == chunks;
+            let back = staged_out(&staging, layout, chunk, output, &outcome, last);
             let done = Box::new(move |result: Result<()>| {
                 drop(scaled);
-                let out = staging.stage_out(&layout, &chunk, output as *mut u8, result.is_ok());
-                let mut o = outcome.lock().unwrap_or_else(|p| p.into_inner());
-                if let Err(e) = result.and(out) {
-                    o.error.get_or_insert(e);
-                }
-                if last {
-                    if let Some(c) = o.completer.take() {
-                        c.complete(o.error.take().map_or(Ok(()), Err));
-                    }
-                }
+                back(result)
             });
             let choice = self.inner.selection.choice(&sub);
             self.submit(&sub, choice, io, Some(before), done, false);
@@ -355,20 +488,34 @@ impl Communicator {
         Ok(group)
     }
 
+    /// The staging of device transfers to (`send`) or from `peer` on
+    /// `gpu`, made at the first one.
+    fn transfer_staging(
+        &self,
+        gpu: &Arc<dyn Gpu>,
+        peer: usize,
+        send: bool,
+    ) -> Result<Arc<Staging>> {
+        let inner = &self.inner;
+        let mut lanes = inner
+            .transfer_staging
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = lanes.get(&(peer, send)) {
+            return same_gpu(s, gpu, inner.rank);
+        }
+        let chunk = inner.options.cuda_chunk;
+        let s = Arc::new(Staging::for_transfers(gpu.clone(), chunk, send)?);
+        lanes.insert((peer, send), s.clone());
+        Ok(s)
+    }
+
     /// This communicator's staging on `gpu`, made at the first device call.
     fn staging(&self, gpu: &Arc<dyn Gpu>) -> Result<Arc<Staging>> {
         let inner = &self.inner;
         let mut slot = inner.staging.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = &*slot {
-            if s.gpu().ordinal() != gpu.ordinal() {
-                return Err(Error::InvalidArgument(format!(
-                    "rank {}: this communicator's device calls run on {}, not {}",
-                    inner.rank,
-                    s.gpu().name(),
-                    gpu.name()
-                )));
-            }
-            return Ok(s.clone());
+            return same_gpu(s, gpu, inner.rank);
         }
         let s = Arc::new(Staging::new(
             gpu.clone(),
@@ -377,5 +524,96 @@ impl Communicator {
         )?);
         *slot = Some(s.clone());
         Ok(s)
+    }
+}
+
+/// `staging` itself, if it is on `gpu`: a communicator's device calls all
+/// run on one GPU.
+fn same_gpu(staging: &Arc<Staging>, gpu: &Arc<dyn Gpu>, rank: usize) -> Result<Arc<Staging>> {
+    if staging.gpu().ordinal() != gpu.ordinal() {
+        return Err(Error::InvalidArgument(format!(
+            "rank {rank}: this communicator's device calls run on {}, not {}",
+            staging.gpu().name(),
+            gpu.name()
+        )));
+    }
+    Ok(staging.clone())
+}
+
+/// Checks that a call's `what` buffer at `ptr`, passed as memory of `kind`,
+/// is memory of `gpu` (the driver is asked); why not, if it is not.
+fn on_device(
+    gpu: &Arc<dyn Gpu>,
+    what: &str,
+    kind: MemoryKind,
+    ptr: *const u8,
+) -> std::result::Result<(), String> {
+    let device = MemoryKind::Device {
+        ordinal: gpu.ordinal(),
+    };
+    if kind != device {
+        return Err(format!(
+            "the {what} lies in {kind}, but the stream is of {}",
+            gpu.name()
+        ));
+    }
+    match gpu.kind_of(ptr) {
+        Ok(actual) if actual == kind => Ok(()),
+        Ok(actual) => Err(format!(
+            "the {what} at {ptr:p} was passed as {kind}, but the driver says it is {actual}"
+        )),
+        Err(e) => Err(format!(
+            "the driver cannot tell where the {what} at {ptr:p} lies: {e}"
+        )),
+    }
+}
+
+/// What a chunk's host job waits for: its input in host memory (`gate`),
+/// and then `then`.
+fn staged_in(gate: Arc<dyn Event>, then: Option<Box<dyn FnOnce() -> Result<()> + Send>>) -> Before {
+    Before {
+        gate,
+        what: "the GPU to copy the call's input into host memory",
+        then,
+    }
+}
+
+/// What a chunk's host job calls when done: its result goes back to the
+/// device `output` (if it has one) and into the call's outcome, which the
+/// `last` chunk completes.
+fn staged_out(
+    staging: &Arc<Staging>,
+    layout: Layout,
+    chunk: Chunk,
+    output: usize,
+    outcome: &Arc<Mutex<Outcome>>,
+    last: bool,
+) -> Box<dyn FnOnce(Result<()>) + Send> {
+    let (staging, outcome) = (staging.clone(), outcome.clone());
+    Box::new(move |result: Result<()>| {
+        // SAFETY: the call's device output, valid until its Work completes,
+        // which waits for this copy.
+        let out = unsafe { staging.stage_out(&layout, &chunk, output as *mut u8, result.is_ok()) };
+        let mut o = outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = result.and(out) {
+            o.error.get_or_insert(e);
+        }
+        if last {
+            if let Some(c) = o.completer.take() {
+                c.complete(o.error.take().map_or(Ok(()), Err));
+            }
+        }
+    })
+}
+
+impl Outcome {
+    /// A call's `Work`, and the outcome its chunks report to.
+    fn new() -> (Work<()>, Arc<Mutex<Outcome>>) {
+        let (work, completer) = work_pair::<()>();
+        let outcome = Outcome {
+            error: None,
+            completer: Some(completer),
+        };
+        (work, Arc::new(Mutex::new(outcome)))
     }
 }

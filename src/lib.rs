@@ -51,10 +51,14 @@ pub use transports::Transports;
 
 /// GPUs: open one ([`cuda::open`]), wrap the caller's stream
 /// ([`cuda::Stream::borrow_raw`]) and pass device memory to
-/// [`Communicator::launch_on_stream`].
+/// [`Communicator::launch_on_stream`] (collectives) or
+/// [`Communicator::launch_transfers_on_stream`] (send and receive).
 #[cfg(feature = "cuda")]
 pub mod cuda {
-    pub use ccl_transport_cuda_ipc::{open, Gpu, GpuEvent, RawStream, StandInGpu, Stream};
+    pub use crate::device::Transfer;
+    pub use ccl_transport_cuda_ipc::{
+        current_device, open, Gpu, GpuEvent, RawStream, StandInGpu, Stream,
+    };
 }
 
 /// Installs a `tracing` subscriber on stderr filtered by `filter` (`CCL_DEBUG`;

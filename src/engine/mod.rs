@@ -31,13 +31,13 @@ use std::{
         Arc, Condvar, Mutex, MutexGuard,
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Schedule};
 use ccl_core::{
-    frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, FrameHeader, GroupMemory,
-    Link, Result, Scratch, Spin, Store,
+    frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, Event, FrameHeader,
+    GroupMemory, Link, Result, Scratch, Spin, Store,
 };
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
@@ -55,10 +55,45 @@ pub(crate) enum Plan {
     Group(Algorithm),
 }
 
-/// One call, ready to run.
-/// What a job runs first; see [`Job::before`].
-pub(crate) type Before = Box<dyn FnOnce(Duration) -> Result<()> + Send>;
+/// What a job waits for before it touches its memory (a GPU's copy into
+/// its host buffers, say), polled without blocking the runtime, and a step
+/// to run then; see [`Job::before`].
+pub(crate) struct Before {
+    /// Happens when the job may start.
+    pub gate: Arc<dyn Event>,
+    /// What the job waits for, for the error at its deadline.
+    pub what: &'static str,
+    /// Runs once the gate has happened.
+    pub then: Option<Box<dyn FnOnce() -> Result<()> + Send>>,
+}
 
+impl Before {
+    /// Waits (yielding to the runtime's other tasks) for the gate, within
+    /// `deadline`, then runs the step.
+    async fn wait(self, rank: usize, deadline: Duration) -> Result<()> {
+        let start = Instant::now();
+        while !self.gate.query()? {
+            let waited = start.elapsed();
+            if waited >= deadline {
+                return Err(Error::Timeout {
+                    context: format!("rank {rank}"),
+                    what: self.what.into(),
+                    after: deadline,
+                });
+            }
+            // Copies take microseconds to milliseconds: poll at first, then
+            // let the timer wake this task.
+            if waited < Duration::from_millis(1) {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep(Duration::from_micros(100)).await;
+            }
+        }
+        self.then.map_or(Ok(()), |step| step())
+    }
+}
+
+/// One call, ready to run.
 pub(crate) struct Job {
     pub plan: Plan,
     pub call: Call,
@@ -66,8 +101,8 @@ pub(crate) struct Job {
     pub deadline: Duration,
     /// For point-to-point transfers: the peer and whether this rank sends.
     pub lane: Option<(usize, bool)>,
-    /// Runs (with the job's deadline) before the job touches `io`: waits
-    /// for a GPU's copy into it, say. Its error is the job's.
+    /// Waited for (within the job's deadline) before the job touches `io`.
+    /// Its error is the job's.
     pub before: Option<Before>,
     /// Receives the result once the schedule no longer touches `io`.
     pub done: Box<dyn FnOnce(Result<()>) + Send>,
@@ -146,7 +181,7 @@ impl Shared {
             return self.fail_broken(job);
         }
         if let Some(before) = job.before.take() {
-            if let Err(e) = before(job.deadline) {
+            if let Err(e) = before.wait(self.rank, job.deadline).await {
                 let e = e.in_call(&format!("{} on rank {}", job.call.name(), self.rank));
                 return self.finish(job.done, Err(e)).await;
             }

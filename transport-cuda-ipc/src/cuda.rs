@@ -56,6 +56,18 @@ pub(crate) fn load() -> Result<()> {
         .clone()
 }
 
+/// The device of the calling thread's current CUDA context (which the CUDA
+/// runtime's `cudaSetDevice` makes), or device 0 where none is current.
+pub(crate) fn current_device() -> Result<u32> {
+    load()?;
+    let mut device: cu::CUdevice = 0;
+    // SAFETY: the driver is initialised; writes one int.
+    match unsafe { cu::cuCtxGetDevice(&mut device) } {
+        CUresult::CUDA_SUCCESS => Ok(device as u32),
+        _ => Ok(0),
+    }
+}
+
 /// The error of a failed driver call, with the driver's name and text for it.
 fn cuda_error(result: CUresult, what: String) -> Error {
     let text = |f: unsafe fn(CUresult, *mut *const std::ffi::c_char) -> CUresult| {

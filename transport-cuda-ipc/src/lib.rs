@@ -55,3 +55,13 @@ pub fn open(ordinal: u32) -> Result<Arc<dyn Gpu>> {
     open.insert(ordinal, gpu.clone());
     Ok(gpu)
 }
+
+/// The GPU the calling thread works on: the device of its current CUDA
+/// context (as the CUDA runtime's `cudaSetDevice` sets it), 0 where none is
+/// current or with the stand-in. An error without a CUDA driver.
+pub fn current_device() -> Result<u32> {
+    if stand_in_requested() {
+        return Ok(0);
+    }
+    cuda::current_device()
+}

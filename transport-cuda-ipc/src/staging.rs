@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use ccl_core::{BufMut, BufRef, Collective, Error, Event, Result, Scratch};
 
-use crate::gpu::{Flags, Gpu, Stream};
+use crate::gpu::{Flags, Gpu, GpuEvent, Stream};
 
 /// Slots of pinned memory, so chunks in flight at once.
 pub const DEPTH: usize = 4;
@@ -181,11 +181,34 @@ impl Staging {
     pub fn new(gpu: Arc<dyn Gpu>, world_size: usize, chunk_bytes: usize) -> Result<Staging> {
         // A chunk has at least one element of every block (8 bytes at most each).
         let slot_bytes = chunk_bytes.max(8 * world_size);
+        Staging::with_slots(gpu, [slot_bytes; 2], chunk_bytes)
+    }
+
+    /// Staging for one direction of point-to-point transfers (`send`: the
+    /// slots hold what is sent, else what is received), in chunks of
+    /// `chunk_bytes`. A lane of its own, so that a send waiting for its
+    /// receiver never holds up a receive (nor the reverse).
+    pub fn for_transfers(gpu: Arc<dyn Gpu>, chunk_bytes: usize, send: bool) -> Result<Staging> {
+        let slot_bytes = chunk_bytes.max(8);
+        let sides = if send {
+            [slot_bytes, 0]
+        } else {
+            [0, slot_bytes]
+        };
+        Staging::with_slots(gpu, sides, chunk_bytes)
+    }
+
+    /// [`DEPTH`] slots of `[input, output]` bytes.
+    fn with_slots(gpu: Arc<dyn Gpu>, bytes: [usize; 2], chunk_bytes: usize) -> Result<Staging> {
+        let alloc = |len: usize| match len {
+            0 => Ok(Scratch::host(0)),
+            _ => gpu.alloc_staging(len),
+        };
         let mut slots = Vec::with_capacity(DEPTH);
         for _ in 0..DEPTH {
             slots.push(Slot {
-                input: gpu.alloc_staging(slot_bytes)?,
-                output: gpu.alloc_staging(slot_bytes)?,
+                input: alloc(bytes[0])?,
+                output: alloc(bytes[1])?,
             });
         }
         Ok(Staging {
@@ -212,8 +235,14 @@ impl Staging {
     /// Starts staging a call: its first copy will wait for the work queued
     /// on `user` so far.
     pub fn launch(&self, user: &Stream) -> Result<Launch<'_>> {
+        self.launch_after(&user.record()?)
+    }
+
+    /// Starts staging a call whose first copy waits for `start` (recorded
+    /// on the caller's stream).
+    pub fn launch_after(&self, start: &GpuEvent) -> Result<Launch<'_>> {
         let next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        self.copy_in.wait(&user.record()?)?;
+        self.copy_in.wait(start)?;
         Ok(Launch {
             staging: self,
             next,

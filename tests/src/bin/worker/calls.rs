@@ -4,7 +4,7 @@
 //! with `launch_on_stream`, and copies the result back.
 
 use ccl::{
-    cuda::{Gpu, Stream},
+    cuda::{Gpu, Stream, Transfer},
     BufMut, BufRef, Collective, CollectiveKind, Communicator, Element, MemoryKind, ReduceOp,
     Result,
 };
@@ -182,5 +182,56 @@ impl OnDevice<'_> {
         }
         .wait()?;
         self.download(&to, output)
+    }
+
+    /// Sends `mine` to rank `to` and receives `got` from rank `from`, both
+    /// between device buffers and queued on the stream before either is
+    /// waited for (each would wait for the other's peer otherwise).
+    pub(crate) fn exchange<T: Element>(
+        &self,
+        mine: &[T],
+        to: usize,
+        got: &mut [T],
+        from: usize,
+    ) -> Result<()> {
+        let (out, back) = (self.upload(mine)?, self.upload(got)?);
+        // SAFETY: device memory that outlives both waits.
+        let works = unsafe {
+            let data = BufRef::from_raw(self.kind(), out.buf().as_ptr(), out.len());
+            let into = BufMut::from_raw(self.kind(), back.buf().as_ptr().cast_mut(), back.len());
+            let both = vec![
+                Transfer::send(T::DTYPE, to, data),
+                Transfer::recv(T::DTYPE, from, into),
+            ];
+            self.comm.launch_transfers_on_stream(both, &self.stream)
+        };
+        let results: Vec<Result<()>> = works.into_iter().map(|w| w.wait()).collect();
+        results.into_iter().collect::<Result<()>>()?;
+        self.download(&back, got)
+    }
+
+    /// Sends `mine` from device memory to rank `to`, alone on the stream.
+    pub(crate) fn send<T: Element>(&self, mine: &[T], to: usize) -> Result<()> {
+        let out = self.upload(mine)?;
+        // SAFETY: device memory that outlives the wait.
+        unsafe {
+            let data = BufRef::from_raw(self.kind(), out.buf().as_ptr(), out.len());
+            self.comm
+                .launch_send_on_stream(T::DTYPE, to, data, &self.stream)
+        }
+        .wait()
+    }
+
+    /// Receives `got` into device memory from rank `from`, alone on the stream.
+    pub(crate) fn recv<T: Element>(&self, got: &mut [T], from: usize) -> Result<()> {
+        let back = self.upload(got)?;
+        // SAFETY: device memory that outlives the wait.
+        unsafe {
+            let into = BufMut::from_raw(self.kind(), back.buf().as_ptr().cast_mut(), back.len());
+            self.comm
+                .launch_recv_on_stream(T::DTYPE, from, into, &self.stream)
+        }
+        .wait()?;
+        self.download(&back, got)
     }
 }

@@ -57,6 +57,9 @@ fn device(comm: &Communicator, ck: &mut Checker) {
     check_calls::<f64>(&dev, ck, &counts);
     // Many chunks in flight (with a small CCL_CUDA_CHUNK).
     check_calls::<f32>(&dev, ck, &[300_007]);
+    device_transfers::<u32>(&dev, ck);
+    device_transfers::<i8>(&dev, ck);
+    device_transfers::<f64>(&dev, ck);
     // Host memory passed as device memory: refused, naming the call.
     let sum = ccl::Collective::new(ccl::CollectiveKind::AllReduce, ccl::DataType::F32, 4);
     let mut host = [0f32; 4];
@@ -79,6 +82,37 @@ fn device(comm: &Communicator, ck: &mut Checker) {
         other => ck.fail(format!("host memory passed as device memory: {other:?}")),
     }
     println!("device: {}", gpu.name());
+}
+
+/// Send and receive between device buffers: each rank sends to its right
+/// and receives from its left, both queued before either is waited for.
+fn device_transfers<T: checks::TestElem>(dev: &OnDevice, ck: &mut Checker) {
+    let (r, n) = (dev.comm.rank(), dev.comm.world_size());
+    if n == 1 {
+        return;
+    }
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let value = |from: usize, i: usize| T::from_i64(((from * 31 + i) % 100) as i64);
+    for c in [0usize, 1, 1031, 300_007] {
+        let mine: Vec<T> = (0..c).map(|i| value(r, i)).collect();
+        let mut got = vec![T::from_i64(0); c];
+        ck.ok(
+            "device send and recv",
+            dev.exchange(&mine, right, &mut got, left),
+        );
+        let what = format!("device ring exchange of {c} {}", T::DTYPE);
+        ck.vec(&what, &got, |i| value(left, i), c);
+        // One way, each call alone on its stream: rank 0 to the last.
+        let last = n - 1;
+        if r == 0 {
+            ck.ok("device send", dev.send(&mine, last));
+        } else if r == last {
+            let mut got = vec![T::from_i64(0); c];
+            ck.ok("device recv", dev.recv(&mut got, 0));
+            let what = format!("device send of {c} {} from rank 0", T::DTYPE);
+            ck.vec(&what, &got, |i| value(0, i), c);
+        }
+    }
 }
 
 fn p2p(comm: &Communicator, ck: &mut Checker) {
