@@ -161,9 +161,10 @@ const char *cclGetLastError(cclComm_t comm);
 // when both ranks send first, as with NCCL.
 cclResult_t cclGroupStart(void);
 
-// Ends a group: at the outermost end, waits for every call started in the
-// group and returns the first failure (each failure is also recorded on
-// its communicator).
+// Ends a group: at the outermost end, waits for every call of the group
+// on host memory, queues those on device memory (which then run as their
+// streams reach them: `cclCommGetAsyncError`), and returns the first
+// failure (each failure is also recorded on its communicator).
 cclResult_t cclGroupEnd(void);
 
 // Ends a group without waiting: at the outermost end, writes to `work` a
@@ -337,6 +338,23 @@ cclResult_t cclRedOpCreatePreMulSum(cclRedOp_t *op,
 
 // Frees an op made by `cclRedOpCreatePreMulSum` on `comm`.
 cclResult_t cclRedOpDestroy(cclRedOp_t op, cclComm_t comm);
+
+// Writes to `async_error` the result of `comm`'s device calls that
+// returned before they completed: `cclSuccess`, or the code of the first
+// that failed (its message in `cclGetLastError(comm)`). As
+// `ncclCommGetAsyncError`; thread-safe.
+cclResult_t cclCommGetAsyncError(cclComm_t comm, cclResult_t *async_error);
+
+// Allocates `size` bytes of device memory on the calling thread's current
+// GPU (`cudaSetDevice`'s; device 0 if none) and writes its address to
+// `ptr`: memory that peers on this host can map through CUDA IPC, which
+// memory of CUDA's stream-ordered allocator cannot be. As `ncclMemAlloc`;
+// free it with `cclMemFree`. `cclUnsupported` without a CUDA driver.
+cclResult_t cclMemAlloc(void **ptr, size_t size);
+
+// Frees memory of `cclMemAlloc` (NULL: nothing). The calls that use it
+// must have completed.
+cclResult_t cclMemFree(void *ptr);
 
 // Writes to `done` whether every call of `work` completed (1) or not (0);
 // returns the first failure among those that did. Thread-safe.

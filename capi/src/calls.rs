@@ -11,21 +11,33 @@
 use std::{
     cell::RefCell,
     ffi::{c_int, c_void},
+    sync::Arc,
 };
 
-use ccl::{BufMut, BufRef, Collective, CollectiveKind as K, Error, MemoryKind, Result, Work};
+use ccl::{BufMut, BufRef, Collective, CollectiveKind as K, Error, MemoryKind, Result};
 
 use crate::{
-    comm::lookup,
+    comm::{lookup, CommState},
+    device::{launch_transfers, place, GroupedTransfer, Place},
     errors::entry,
     types::{cclComm_t, cclDataType_t, cclRedOp_t, cclResult_t, cclUint8, cclWork_t, dtype},
     work::{pending, Pending},
 };
 
 thread_local! {
-    /// How deep this thread's groups nest, and the calls it started since
-    /// its outermost `cclGroupStart`.
-    static GROUP: RefCell<(usize, Vec<Pending>)> = const { RefCell::new((0, Vec::new())) };
+    /// How deep this thread's groups nest, and the calls it made since its
+    /// outermost `cclGroupStart`.
+    static GROUP: RefCell<(usize, Vec<Grouped>)> = const { RefCell::new((0, Vec::new())) };
+}
+
+/// A call made in a group.
+enum Grouped {
+    /// Started: on the host (waited for at the group's end), or on a
+    /// device (queued; its communicator keeps it once the group ends).
+    Started(Pending, Option<Arc<CommState>>),
+    /// A device transfer, queued at the group's end together with its
+    /// communicator's others on its stream.
+    Transfer(GroupedTransfer),
 }
 
 /// One call's C arguments.
@@ -74,9 +86,16 @@ impl Args {
     }
 }
 
-/// The memory of `len` bytes at `ptr` (a host pointer from C), checked for
-/// null and, for reductions, for the alignment of `size`-byte elements.
-fn host(ptr: *const c_void, len: usize, size: usize, reduces: bool, what: &str) -> Result<*mut u8> {
+/// The memory of `len` bytes at `ptr` (host or device memory from C),
+/// checked for null and, for reductions, for the alignment of `size`-byte
+/// elements.
+fn memory(
+    ptr: *const c_void,
+    len: usize,
+    size: usize,
+    reduces: bool,
+    what: &str,
+) -> Result<*mut u8> {
     if len > 0 && ptr.is_null() {
         return Err(Error::InvalidArgument(format!("{what} is NULL")));
     }
@@ -88,24 +107,12 @@ fn host(ptr: *const c_void, len: usize, size: usize, reduces: bool, what: &str) 
     Ok(ptr.cast_mut().cast())
 }
 
-fn no_stream(stream: *mut c_void) -> Result<()> {
-    if stream.is_null() {
-        Ok(())
-    } else {
-        Err(Error::Unsupported(
-            "a stream: device buffers and streams need GPU support, which this build lacks \
-             (pass NULL)"
-                .into(),
-        ))
-    }
-}
-
 /// Runs or starts a collective.
 fn collective(comm: cclComm_t, a: Args, stream: *mut c_void) -> cclResult_t {
     entry(comm, || {
         let state = lookup(comm)?;
         let _claim = state.claim()?;
-        no_stream(stream)?;
+        state.async_error();
         let (rank, n) = (state.comm.rank(), state.comm.world_size());
         let dtype = dtype(a.datatype)?;
         let mut coll = Collective::new(a.kind, dtype, a.count);
@@ -132,20 +139,30 @@ fn collective(comm: cclComm_t, a: Args, stream: *mut c_void) -> cclResult_t {
         let (ni, no) = coll.buffer_elems(rank, n);
         let (ni, no) = (ni * size, no * size);
         let reduces = coll.reduces();
-        let send = host(a.send, ni, size, reduces, "sendbuff")?;
-        let recv = host(a.recv, no, size, reduces, "recvbuff")?;
-        // SAFETY: host memory of the caller's, valid for these lengths until
-        // the call completes (its contract, as NCCL's).
+        let send = memory(a.send, ni, size, reduces, "sendbuff")?;
+        let recv = memory(a.recv, no, size, reduces, "recvbuff")?;
+        let place = place(&state, stream, &[(a.send, ni), (a.recv.cast_const(), no)])?;
+        let kind = place.kind();
+        // SAFETY: memory of the caller's, valid for these lengths until the
+        // call completes (its contract, as NCCL's).
         let (input, output) = unsafe {
             (
-                BufRef::from_raw(MemoryKind::Host, send, ni),
-                BufMut::from_raw(MemoryKind::Host, recv, no),
+                BufRef::from_raw(kind, send, ni),
+                BufMut::from_raw(kind, recv, no),
             )
         };
+        if let Some(stream) = place.stream() {
+            // SAFETY: as above; ordered on the caller's stream.
+            let work = unsafe { state.comm.launch_on_stream(&coll, input, output, &stream) };
+            if in_group() {
+                return join_group(Grouped::Started(pending(work, comm), Some(state.clone())));
+            }
+            return state.queued(work);
+        }
         if in_group() {
             // SAFETY: as above, until the group's end waits for it.
             let work = unsafe { state.comm.launch(&coll, input, output) };
-            return join_group(comm, work);
+            return join_group(Grouped::Started(pending(work, comm), None));
         }
         state.comm.run(&coll, input, output)
     })
@@ -164,7 +181,7 @@ fn transfer(
     entry(comm, || {
         let state = lookup(comm)?;
         let _claim = state.claim()?;
-        no_stream(stream)?;
+        state.async_error();
         let dtype = dtype(datatype)?;
         let peer = usize::try_from(peer)
             .map_err(|_| Error::InvalidArgument(format!("peer {peer} is negative")))?;
@@ -174,13 +191,28 @@ fn transfer(
             .ok_or_else(|| {
                 Error::InvalidArgument(format!("a count of {count} {dtype} elements overflows"))
             })?;
-        let ptr = host(
-            buf,
-            bytes,
-            dtype.size(),
-            false,
-            if send { "sendbuff" } else { "recvbuff" },
-        )?;
+        let what = if send { "sendbuff" } else { "recvbuff" };
+        let ptr = memory(buf, bytes, dtype.size(), false, what)?;
+        let place = place(&state, stream, &[(buf, bytes)])?;
+        if let Place::Device(..) = place {
+            let t = GroupedTransfer {
+                comm,
+                state: state.clone(),
+                place,
+                dtype,
+                peer,
+                send,
+                ptr,
+                len: bytes,
+            };
+            if in_group() {
+                return join_group(Grouped::Transfer(t));
+            }
+            let (_, state, work) = launch_transfers(vec![t])
+                .pop()
+                .ok_or_else(|| Error::Internal("a device transfer was not queued".into()))?;
+            return state.queued(work);
+        }
         // SAFETY: host memory of the caller's, valid until the call completes.
         let mem = unsafe { BufMut::from_raw(MemoryKind::Host, ptr, bytes) };
         let work = match send {
@@ -189,7 +221,7 @@ fn transfer(
             false => unsafe { state.comm.launch_recv(dtype, peer, mem) },
         };
         if in_group() {
-            return join_group(comm, work);
+            return join_group(Grouped::Started(pending(work, comm), None));
         }
         drop(_claim);
         work.wait()
@@ -200,10 +232,27 @@ fn in_group() -> bool {
     GROUP.with(|g| g.borrow().0 > 0)
 }
 
-/// Adds a started call to this thread's group.
-fn join_group(comm: cclComm_t, work: Work<()>) -> Result<()> {
-    GROUP.with(|g| g.borrow_mut().1.push(pending(work, comm)));
+/// Adds a call to this thread's group.
+fn join_group(call: Grouped) -> Result<()> {
+    GROUP.with(|g| g.borrow_mut().1.push(call));
     Ok(())
+}
+
+/// A group's calls, all started: the device transfers queued now; the
+/// calls on the host, and those on devices with their communicators.
+fn start_all(calls: Vec<Grouped>) -> (Vec<Pending>, Vec<(Pending, Arc<CommState>)>) {
+    let (mut host, mut device, mut transfers) = (Vec::new(), Vec::new(), Vec::new());
+    for call in calls {
+        match call {
+            Grouped::Started(p, None) => host.push(p),
+            Grouped::Started(p, Some(state)) => device.push((p, state)),
+            Grouped::Transfer(t) => transfers.push(t),
+        }
+    }
+    for (comm, state, work) in launch_transfers(transfers) {
+        device.push((pending(work, comm), state));
+    }
+    (host, device)
 }
 
 /// Starts a group: until the matching `cclGroupEnd`, this thread's calls
@@ -218,14 +267,22 @@ pub extern "C" fn cclGroupStart() -> cclResult_t {
     })
 }
 
-/// Ends a group: at the outermost end, waits for every call started in the
-/// group and returns the first failure (each failure is also recorded on
-/// its communicator).
+/// Ends a group: at the outermost end, waits for every call of the group
+/// on host memory, queues those on device memory (which then run as their
+/// streams reach them: `cclCommGetAsyncError`), and returns the first
+/// failure (each failure is also recorded on its communicator).
 #[no_mangle]
 pub extern "C" fn cclGroupEnd() -> cclResult_t {
-    entry(std::ptr::null_mut(), || match end_group()? {
-        Some(calls) => crate::work::wait_all(calls),
-        None => Ok(()),
+    entry(std::ptr::null_mut(), || {
+        let Some(calls) = end_group()? else {
+            return Ok(());
+        };
+        let (host, device) = start_all(calls);
+        let queued = device
+            .into_iter()
+            .map(|(p, state)| p.queue_on(&state))
+            .fold(Ok(()), Result::and);
+        crate::work::wait_all(host).and(queued)
     })
 }
 
@@ -239,7 +296,11 @@ pub extern "C" fn cclGroupEndAsync(work: *mut cclWork_t) -> cclResult_t {
     entry(std::ptr::null_mut(), || {
         let out = crate::comm::out(work, "work")?;
         *out = match end_group()? {
-            Some(calls) => crate::work::hand_out(calls),
+            Some(calls) => {
+                let (mut all, device) = start_all(calls);
+                all.extend(device.into_iter().map(|(p, _)| p));
+                crate::work::hand_out(all)
+            }
             None => std::ptr::null_mut(),
         };
         Ok(())
@@ -247,7 +308,7 @@ pub extern "C" fn cclGroupEndAsync(work: *mut cclWork_t) -> cclResult_t {
 }
 
 /// Closes one level of this thread's group; the calls at the outermost.
-fn end_group() -> Result<Option<Vec<Pending>>> {
+fn end_group() -> Result<Option<Vec<Grouped>>> {
     GROUP.with(|g| {
         let mut g = g.borrow_mut();
         match g.0 {

@@ -33,6 +33,8 @@ pub(crate) struct CommState {
     pub last_error: Mutex<std::ffi::CString>,
     /// The scalars of its pre-multiplied-sum ops (`None`: destroyed).
     premul: Mutex<Vec<Option<f64>>>,
+    /// Its device calls that returned before they completed.
+    pub device: Mutex<crate::device::DeviceCalls>,
 }
 
 static COMMS: Table<CommState> = Table::new();
@@ -58,6 +60,7 @@ impl CommState {
             busy: AtomicBool::new(false),
             last_error: Mutex::new(Default::default()),
             premul: Mutex::new(Vec::new()),
+            device: Mutex::default(),
         }
     }
 

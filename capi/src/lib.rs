@@ -20,6 +20,7 @@
 
 mod calls;
 mod comm;
+mod device;
 mod errors;
 mod handles;
 mod types;
@@ -29,6 +30,7 @@ use std::ffi::c_char;
 
 pub use calls::*;
 pub use comm::*;
+pub use device::*;
 pub use types::*;
 pub use work::*;
 

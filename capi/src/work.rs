@@ -29,6 +29,16 @@ pub(crate) fn pending(work: Work<()>, comm: cclComm_t) -> Pending {
     }
 }
 
+impl Pending {
+    /// Hands a device call to its communicator, which keeps it until it
+    /// completes; the error at once if it failed already (recorded).
+    pub(crate) fn queue_on(self, state: &crate::comm::CommState) -> Result<()> {
+        state
+            .queued(self.work)
+            .inspect_err(|e| record(Some(state), e))
+    }
+}
+
 /// Waits for `p`; a failure is recorded on its communicator.
 fn finish(p: Pending) -> Result<()> {
     p.work

@@ -33,6 +33,7 @@ cd "$build"
   cc $cflags -g "$repo/capi/tests/bad_input.c" -o bad_input $libs -lpthread
   cc $cflags "$repo/examples/c/allreduce.c" -o allreduce-static \
     "$prefix/lib/libcclrs.a" $(pkg-config --static --libs-only-l cclrs | sed 's/-lcclrs//') -lm
+  cc $cflags "$repo/capi/tests/device.c" -o device $libs
   mpicc $cflags "$repo/examples/c/mpi_unique_id.c" -o mpi_unique_id $libs
   # The header alone compiles as C++ too.
   printf '#include <ccl.h>\nint main() { return cclGetErrorString(cclSuccess) ? 0 : 1; }\n' > cxx.cc
@@ -60,6 +61,12 @@ step "static library, 2 ranks"
 $run -n 2 ./allreduce-static
 step "timing program, 2 ranks, 1 MiB (checks its result)"
 $run -n 2 ./bench 1M 5 1
+
+step "device memory (the stand-in GPU): through CUDA IPC, and staged through host memory"
+for n in 2 3; do
+  CCL_CUDA_STAND_IN=1 CCL_CUDA_CHUNK=65536 CCL_CUDA_IPC_CHUNK=65536 $run -n "$n" ./device
+  CCL_CUDA_STAND_IN=1 CCL_CUDA_CHUNK=65536 CCL_CUDA_IPC=0 $run -n "$n" ./device
+done
 
 step "ccl beside MPI: 4 ranks under mpirun, the unique id through MPI_Bcast"
 # As tests/mpi-reference runs it: shared memory without single-copy (which
