@@ -186,7 +186,7 @@ impl CudaGpu {
         let minor = self.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = self.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let ptx = kernels::compile((major * 10 + minor) as u32)?;
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut module = ptr::null_mut();
         // SAFETY: NUL-terminated PTX; the module lives as long as the device value.
         check(
@@ -245,7 +245,7 @@ impl CudaGpu {
         let blocks = (count as u64)
             .div_ceil(BLOCK as u64)
             .min(kernels.max_blocks as u64) as u32;
-        self.bind()?;
+        let _bound = self.bind()?;
         check(
             cu::cuLaunchKernel(
                 f,
@@ -302,16 +302,29 @@ impl CudaGpu {
         self.side.get_or_init(|| self.create_stream()).clone()
     }
 
-    /// Makes the device's context current on this thread.
-    fn bind(&self) -> Result<()> {
+    /// Makes the device's context current on this thread until the value
+    /// returned is dropped, which makes the caller's current again: a
+    /// program that works on another GPU from this thread keeps it.
+    fn bind(&self) -> Result<Bound> {
+        let mut current: cu::CUcontext = ptr::null_mut();
+        // SAFETY: out-parameter.
+        check(unsafe { cu::cuCtxGetCurrent(&mut current) }, || {
+            "CUDA cuCtxGetCurrent".into()
+        })?;
+        if current == self.context {
+            return Ok(Bound { previous: None });
+        }
         // SAFETY: a context retained by `open`, released only in `drop`.
         check(unsafe { cu::cuCtxSetCurrent(self.context) }, || {
             format!("CUDA cuCtxSetCurrent on {}", self.name)
+        })?;
+        Ok(Bound {
+            previous: Some(current),
         })
     }
 
     fn host_alloc(&self, len: usize, flags: c_uint) -> Result<Scratch> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut p: *mut c_void = ptr::null_mut();
         // SAFETY: out-parameter; the memory is freed by `PinnedHost`.
         check(
@@ -322,6 +335,21 @@ impl CudaGpu {
         unsafe { ptr::write_bytes(p.cast::<u8>(), 0, len) };
         let owner = PinnedHost(p);
         Ok(unsafe { Scratch::from_raw(MemoryKind::Host, p.cast(), len, Box::new(owner)) })
+    }
+}
+
+/// A context made current by [`CudaGpu::bind`]; the one before it (none,
+/// perhaps) is made current again on drop.
+struct Bound {
+    previous: Option<cu::CUcontext>,
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            // SAFETY: the context that was current (or null: none) before.
+            unsafe { cu::cuCtxSetCurrent(previous) };
+        }
     }
 }
 
@@ -478,7 +506,7 @@ impl Gpu for CudaGpu {
     }
 
     fn export(&self, at: *const u8) -> Result<Exported> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let (mut base, mut len): (cu::CUdeviceptr, usize) = (0, 0);
         // SAFETY: out-parameters; `at` is only looked up.
         check(
@@ -512,7 +540,7 @@ impl Gpu for CudaGpu {
         for (d, &b) in h.reserved.iter_mut().zip(handle) {
             *d = b as std::ffi::c_char;
         }
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut d: cu::CUdeviceptr = 0;
         let lazy = cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as c_uint;
         // SAFETY: out-parameter; closed by `IpcMapping`.
@@ -536,7 +564,7 @@ impl Gpu for CudaGpu {
     }
 
     fn kind_of(&self, at: *const u8) -> Result<MemoryKind> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut kind: c_uint = 0;
         // SAFETY: out-parameter of the attribute's size (an unsigned int).
         let r = unsafe {
@@ -572,7 +600,7 @@ impl Gpu for CudaGpu {
     }
 
     fn alloc_device(&self, len: usize) -> Result<Scratch> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut p: cu::CUdeviceptr = 0;
         // SAFETY: out-parameter; freed by `DeviceMem`. The synchronous
         // allocator's memory can be exported for IPC (the pool's cannot).
@@ -599,7 +627,7 @@ impl Gpu for CudaGpu {
     }
 
     fn device_address(&self, host: *const u8) -> Result<u64> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut d: cu::CUdeviceptr = 0;
         // SAFETY: `host` is mapped pinned memory of `alloc_words`.
         check(
@@ -610,7 +638,7 @@ impl Gpu for CudaGpu {
     }
 
     fn create_stream(&self) -> Result<RawStream> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut s: cu::CUstream = ptr::null_mut();
         let flags = cu::CUstream_flags::CU_STREAM_NON_BLOCKING as c_uint;
         // SAFETY: out-parameter.
@@ -621,7 +649,7 @@ impl Gpu for CudaGpu {
     }
 
     fn destroy_stream(&self, stream: RawStream) {
-        if self.bind().is_ok() {
+        if let Ok(_bound) = self.bind() {
             // SAFETY: a stream of `create_stream`, destroyed once.
             unsafe { cu::cuStreamDestroy_v2(stream as cu::CUstream) };
         }
@@ -634,7 +662,7 @@ impl Gpu for CudaGpu {
         from: *const u8,
         len: usize,
     ) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // Unified addressing: the driver tells device from pinned host memory.
         check(
             cu::cuMemcpyAsync(
@@ -648,7 +676,7 @@ impl Gpu for CudaGpu {
     }
 
     fn record(&self, stream: RawStream) -> Result<RawEvent> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let mut e: cu::CUevent = ptr::null_mut();
         let flags = cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
         // SAFETY: out-parameter; then an event of this context on a stream of it.
@@ -681,7 +709,7 @@ impl Gpu for CudaGpu {
     }
 
     fn wait_event(&self, stream: RawStream, event: RawEvent) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: a stream and an event of this context.
         check(
             unsafe { cu::cuStreamWaitEvent(stream as cu::CUstream, event as cu::CUevent, 0) },
@@ -690,7 +718,7 @@ impl Gpu for CudaGpu {
     }
 
     fn wait_word(&self, stream: RawStream, word: u64, value: u32) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         let geq = cu::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as c_uint;
         // SAFETY: `word` is the device address of mapped pinned memory.
         check(
@@ -700,7 +728,7 @@ impl Gpu for CudaGpu {
     }
 
     fn write_word(&self, stream: RawStream, word: u64, value: u32) -> Result<()> {
-        self.bind()?;
+        let _bound = self.bind()?;
         // SAFETY: as in `wait_word`.
         check(
             unsafe { cu::cuStreamWriteValue32_v2(stream as cu::CUstream, word, value, 0) },
