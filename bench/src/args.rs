@@ -586,9 +586,6 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     plan.algo_requested = a.algo.to_ascii_lowercase();
     plan.check = a.check;
     if a.device == "cuda" {
-        if coll == Coll::Sendrecv {
-            return Err("--device cuda: sendrecv of device memory is not staged yet".into());
-        }
         plan.gpu = Some(a.gpu);
     }
     Ok(plan)

@@ -7,12 +7,13 @@
 use std::{sync::Arc, time::Duration, time::Instant};
 
 use ccl::{
-    cuda::{Gpu, Stream},
+    cuda::{Gpu, Stream, Transfer},
     BufMut, BufRef, Collective, Communicator, Element, MemoryKind, Scratch,
 };
 
 use crate::{
     args::Plan,
+    coll::Coll,
     data::{Case, Val},
 };
 
@@ -137,6 +138,23 @@ impl OnGpu {
             ordinal: self.gpu.ordinal(),
         };
         let (input, output) = (dev.input.buf(), dev.output.buf());
+        if plan.coll == Coll::Sendrecv {
+            // The ring exchange: both sides queued together on the stream.
+            let n = comm.world_size();
+            let (next, prev) = ((comm.rank() + 1) % n, (comm.rank() + n - 1) % n);
+            // SAFETY: device memory of `dev`, which outlives the waits.
+            let works = unsafe {
+                let data = BufRef::from_raw(kind, input.as_ptr(), input.len());
+                let into = BufMut::from_raw(kind, output.as_ptr().cast_mut(), output.len());
+                let both = vec![
+                    Transfer::send(T::DTYPE, next, data),
+                    Transfer::recv(T::DTYPE, prev, into),
+                ];
+                comm.launch_transfers_on_stream(both, &self.stream)
+            };
+            let results: Vec<_> = works.into_iter().map(|w| w.wait()).collect();
+            return results.into_iter().collect();
+        }
         // SAFETY: device memory of `dev`, which outlives the wait.
         let work = unsafe {
             let output = BufMut::from_raw(kind, output.as_ptr().cast_mut(), output.len());
