@@ -288,6 +288,31 @@ impl Communicator {
         Ok(work.after(launch.finish(stream)?))
     }
 
+    /// How this communicator runs device calls like `coll`, once its first
+    /// device call has settled it (`None` before): `"cuda-ipc-direct"`
+    /// (allreduces between the ranks' own buffers, where every rank's can be
+    /// exported), `"cuda-ipc"` (through the IPC slots) or `"staged"` (through
+    /// pinned host memory; always for sends and receives).
+    pub fn device_route(&self, coll: &Collective) -> Option<&'static str> {
+        if coll.kind == CollectiveKind::SendRecv {
+            return Some("staged");
+        }
+        let ipc = self.inner.ipc.lock().unwrap_or_else(|p| p.into_inner());
+        Some(match &*ipc {
+            None => return None,
+            Some(None) => "staged",
+            Some(Some(_)) if self.goes_direct(coll) => "cuda-ipc-direct",
+            Some(Some(_)) => "cuda-ipc",
+        })
+    }
+
+    /// Whether an IPC call of `coll` runs between the ranks' own buffers.
+    fn goes_direct(&self, coll: &Collective) -> bool {
+        coll.kind == CollectiveKind::AllReduce
+            && !matches!(coll.op, ReduceOp::PreMulSum(_))
+            && coll.count * coll.dtype.size() >= self.inner.options.cuda_ipc_direct
+    }
+
     /// Checks a device call and queues its chunks.
     unsafe fn stage(
         &self,
@@ -334,10 +359,8 @@ impl Communicator {
         }
         if let Some(group) = self.ipc_group(gpu)? {
             let (from, to) = (input.as_ptr(), output.as_mut_ptr());
-            let direct = coll.kind == CollectiveKind::AllReduce
-                && !matches!(coll.op, ReduceOp::PreMulSum(_))
-                && coll.count * size >= self.inner.options.cuda_ipc_direct;
-            let count = match direct
+            let count = match self
+                .goes_direct(coll)
                 .then(|| self.map_buffers(&group, from, to))
                 .transpose()?
             {

@@ -225,7 +225,14 @@ fn measure<T: Val>(
 /// The algorithm a call used (with its piece size if one was asked for),
 /// as the table shows it.
 fn algo_label(comm: &Communicator, plan: &Plan, count: usize) -> String {
-    if plan.coll == Coll::Sendrecv {
+    if plan.gpu.is_some() {
+        // How device calls run (known once the first has run).
+        let mut coll = ccl::Collective::new(plan.coll.kind(), plan.dtype, count);
+        if plan.coll.has_op() {
+            coll = coll.with_op(plan.op);
+        }
+        comm.device_route(&coll).unwrap_or("cuda").into()
+    } else if plan.coll == Coll::Sendrecv {
         "p2p".into()
     } else {
         comm.choice_for(plan.coll.kind(), count, plan.dtype)
