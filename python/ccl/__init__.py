@@ -9,7 +9,9 @@
 
 Arrays are anything that exports DLPack (numpy arrays, torch tensors) or
 the buffer protocol; ccl reads and writes their memory directly, so they
-must be contiguous, and outputs writable. `import ccl.torch` registers the
+must be contiguous, and outputs writable. Arrays in GPU memory (CUDA
+tensors, `ccl.DeviceBuffer`) make the call run on the GPU, ordered on
+`stream=` (a CUDA stream handle; the GPU's default stream if omitted). `import ccl.torch` registers the
 torch.distributed backend "cclrs"; `ccl.train` has training helpers.
 """
 
@@ -19,6 +21,7 @@ from typing import Optional
 from ._ccl import (
     BrokenError,
     Communicator,
+    DeviceBuffer,
     Error,
     MismatchError,
     PeerLostError,
@@ -69,6 +72,7 @@ del _name
 __all__ = [
     "BrokenError",
     "Communicator",
+    "DeviceBuffer",
     "Error",
     "MismatchError",
     "PeerLostError",

@@ -3,6 +3,7 @@ from typing import Optional
 from ._ccl import (
     BrokenError as BrokenError,
     Communicator as Communicator,
+    DeviceBuffer as DeviceBuffer,
     Error as Error,
     MismatchError as MismatchError,
     PeerLostError as PeerLostError,

@@ -8,7 +8,10 @@ to a Python subclass), registered per device by `init_process_group`, so
 that DDP (through the C++ reducer) and FSDP2 (which asks the group for its
 backend with `_get_backend(device)`) both find it. Each torch group gets its
 own ccl communicator, which meets its peers through the store torch hands
-over. CPU tensors only, until ccl's GPU support lands.
+over. CPU and CUDA tensors: a call on CUDA tensors is queued on torch's
+current stream (sends and receives on a stream of their own per peer and
+direction, which waits for the current one), and its work completes when
+the GPU has done it.
 """
 
 import atexit
@@ -57,15 +60,23 @@ def _op(reduce_op) -> ReduceOp:
     raise NotImplementedError(f"cclrs: reduction op {kind} is not supported")
 
 
-def _cpu(t: torch.Tensor, what: str) -> torch.Tensor:
-    """`t` as ccl takes it: a CPU tensor (detached: ccl only moves its data)."""
-    if t.device.type != "cpu":
-        raise NotImplementedError(
-            f"cclrs: {what} is on {t.device}; this build of ccl moves CPU tensors only"
-        )
+def _tensor(t: torch.Tensor, what: str) -> torch.Tensor:
+    """`t` as ccl takes it: a CPU or CUDA tensor (detached: ccl only moves
+    its data)."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"cclrs: {what} is on {t.device}; ccl moves CPU and CUDA tensors")
     if t.is_complex():
         t = torch.view_as_real(t)
     return t.detach()
+
+
+def _on(t: torch.Tensor) -> dict:
+    """The stream keyword of a call on `t`: for a CUDA tensor, torch's
+    current stream of its GPU, on which the call is queued (as NCCL's are
+    ordered with it)."""
+    if t.device.type == "cuda":
+        return {"stream": torch.cuda.current_stream(t.device).cuda_stream}
+    return {}
 
 
 def _one(tensors: List[torch.Tensor], what: str) -> torch.Tensor:
@@ -191,6 +202,7 @@ class CclBackend(_C10dBackend):
         seconds = timeout.total_seconds() if timeout else None
         self.comm = Communicator(rank, size, store=store, timeout=seconds or None)
         self._completer_thread: Optional[_Completer] = None
+        self._streams: dict = {}
         self._completer_lock = threading.Lock()
 
     def _completer(self) -> _Completer:
@@ -216,7 +228,10 @@ class CclBackend(_C10dBackend):
 
     def allreduce(self, tensors, opts):
         op = _op(opts.reduceOp)
-        works = [self.comm.allreduce(_cpu(t, "allreduce"), op=op, async_op=self._async(opts)) for t in tensors]
+        works = [
+            self.comm.allreduce(_tensor(t, "allreduce"), op=op, async_op=self._async(opts), **_on(t))
+            for t in tensors
+        ]
         return self._work(works, tensors)
 
     def allreduce_coalesced(self, tensors, opts):
@@ -224,29 +239,29 @@ class CclBackend(_C10dBackend):
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
-        work = self.comm.broadcast(_cpu(t, "broadcast"), root=opts.rootRank, async_op=self._async(opts))
+        work = self.comm.broadcast(_tensor(t, "broadcast"), root=opts.rootRank, async_op=self._async(opts), **_on(t))
         return self._work([work], tensors)
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
         work = self.comm.reduce(
-            _cpu(t, "reduce"), op=_op(opts.reduceOp), root=opts.rootRank, async_op=self._async(opts)
+            _tensor(t, "reduce"), op=_op(opts.reduceOp), root=opts.rootRank, async_op=self._async(opts), **_on(t)
         )
         return self._work([work], tensors)
 
     def all_gather_single(self, output, input, opts):
         work = self.comm.allgather(
-            _cpu(input, "all_gather input"), _cpu(output, "all_gather output"), async_op=self._async(opts)
+            _tensor(input, "all_gather input"), _tensor(output, "all_gather output"), async_op=self._async(opts), **_on(input)
         )
         return self._work([work], [output])
 
     _allgather_base = all_gather_single
 
     def allgather(self, output_lists, inputs, opts):
-        t = _cpu(_one(inputs, "allgather"), "allgather input")
+        t = _tensor(_one(inputs, "allgather"), "allgather input")
         outputs = output_lists[0]
-        staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype)
-        work = self.comm.allgather(t.contiguous(), staging, async_op=self._async(opts))
+        staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        work = self.comm.allgather(t.contiguous(), staging, async_op=self._async(opts), **_on(t))
 
         def finish():
             for out, block in zip(outputs, staging):
@@ -256,7 +271,7 @@ class CclBackend(_C10dBackend):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         works = [
-            self.comm.allgather(_cpu(i, "input"), _cpu(o, "output"), async_op=self._async(opts))
+            self.comm.allgather(_tensor(i, "input"), _tensor(o, "output"), async_op=self._async(opts), **_on(i))
             for o, i in zip(outputs, inputs)
         ]
         return self._work(works, outputs)
@@ -269,25 +284,26 @@ class CclBackend(_C10dBackend):
 
     def reduce_scatter_single(self, output, input, opts):
         work = self.comm.reduce_scatter(
-            _cpu(input, "reduce_scatter input"),
-            _cpu(output, "reduce_scatter output"),
+            _tensor(input, "reduce_scatter input"),
+            _tensor(output, "reduce_scatter output"),
             op=_op(opts.reduceOp),
             async_op=self._async(opts),
+            **_on(input),
         )
         return self._work([work], [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter(self, outputs, input_lists, opts):
-        out = _cpu(_one(outputs, "reduce_scatter"), "reduce_scatter output")
-        staging = torch.cat([_cpu(t, "reduce_scatter input").reshape(-1) for t in input_lists[0]])
-        work = self.comm.reduce_scatter(staging, out, op=_op(opts.reduceOp), async_op=self._async(opts))
+        out = _tensor(_one(outputs, "reduce_scatter"), "reduce_scatter output")
+        staging = torch.cat([_tensor(t, "reduce_scatter input").reshape(-1) for t in input_lists[0]])
+        work = self.comm.reduce_scatter(staging, out, op=_op(opts.reduceOp), async_op=self._async(opts), **_on(out))
         return self._work([work], outputs)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         op = _op(opts.reduceOp)
         works = [
-            self.comm.reduce_scatter(_cpu(i, "input"), _cpu(o, "output"), op=op, async_op=self._async(opts))
+            self.comm.reduce_scatter(_tensor(i, "input"), _tensor(o, "output"), op=op, async_op=self._async(opts), **_on(i))
             for o, i in zip(outputs, inputs)
         ]
         return self._work(works, outputs)
@@ -308,7 +324,7 @@ class CclBackend(_C10dBackend):
                 f"by the group size {n} (got {input.numel()} and {output.numel()})"
             )
         work = self.comm.alltoall(
-            _cpu(input, "all_to_all input"), _cpu(output, "all_to_all output"), async_op=self._async(opts)
+            _tensor(input, "all_to_all input"), _tensor(output, "all_to_all output"), async_op=self._async(opts), **_on(input)
         )
         return self._work([work], [output])
 
@@ -320,9 +336,9 @@ class CclBackend(_C10dBackend):
             raise NotImplementedError(
                 "cclrs: all_to_all with tensors of different sizes is not supported"
             )
-        staging_in = torch.cat([_cpu(t, "all_to_all input").reshape(-1) for t in inputs])
+        staging_in = torch.cat([_tensor(t, "all_to_all input").reshape(-1) for t in inputs])
         staging_out = torch.empty_like(staging_in)
-        work = self.comm.alltoall(staging_in, staging_out, async_op=self._async(opts))
+        work = self.comm.alltoall(staging_in, staging_out, async_op=self._async(opts), **_on(staging_in))
 
         def finish():
             for out, block in zip(outputs, staging_out.chunk(len(outputs))):
@@ -331,14 +347,14 @@ class CclBackend(_C10dBackend):
         return self._work([work], outputs, finish)
 
     def gather(self, output_lists, inputs, opts):
-        t = _cpu(_one(inputs, "gather"), "gather input")
+        t = _tensor(_one(inputs, "gather"), "gather input")
         root = opts.rootRank
         if self.rank() != root:
-            work = self.comm.gather(t.contiguous(), None, root=root, async_op=self._async(opts))
+            work = self.comm.gather(t.contiguous(), None, root=root, async_op=self._async(opts), **_on(t))
             return self._work([work], output_lists)
         outputs = output_lists[0]
-        staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype)
-        work = self.comm.gather(t.contiguous(), staging, root=root, async_op=self._async(opts))
+        staging = torch.empty((len(outputs),) + tuple(t.shape), dtype=t.dtype, device=t.device)
+        work = self.comm.gather(t.contiguous(), staging, root=root, async_op=self._async(opts), **_on(t))
 
         def finish():
             for out, block in zip(outputs, staging):
@@ -347,12 +363,12 @@ class CclBackend(_C10dBackend):
         return self._work([work], output_lists, finish)
 
     def scatter(self, outputs, input_lists, opts):
-        out = _cpu(_one(outputs, "scatter"), "scatter output")
+        out = _tensor(_one(outputs, "scatter"), "scatter output")
         root = opts.rootRank
         staging = None
         if self.rank() == root:
-            staging = torch.cat([_cpu(t, "scatter input").reshape(-1) for t in input_lists[0]])
-        work = self.comm.scatter(staging, out, root=root, async_op=self._async(opts))
+            staging = torch.cat([_tensor(t, "scatter input").reshape(-1) for t in input_lists[0]])
+        work = self.comm.scatter(staging, out, root=root, async_op=self._async(opts), **_on(out))
         return self._work([work], outputs)
 
     def barrier(self, opts):
@@ -365,13 +381,29 @@ class CclBackend(_C10dBackend):
                 "order); use tag 0"
             )
         t = _one(tensors, "send")
-        return self._work([self.comm.send(_cpu(t, "send"), dst, async_op=True)], tensors)
+        return self._work([self._transfer(_tensor(t, "send"), dst, True)], tensors)
 
     def recv(self, tensors, src: int, tag: int):
         if tag != 0:
             raise NotImplementedError("cclrs: send/recv tags are not supported; use tag 0")
         t = _one(tensors, "recv")
-        return self._work([self.comm.recv(_cpu(t, "recv"), src, async_op=True)], tensors)
+        return self._work([self._transfer(_tensor(t, "recv"), src, False)], tensors)
+
+    def _transfer(self, t: torch.Tensor, peer: int, send: bool):
+        """Starts a send or receive of `t`. On a GPU it runs on a stream of
+        its own per peer and direction (which first waits for the current
+        stream), so that a rank's sends and receives do not wait for each
+        other as they would on one stream."""
+        call = self.comm.send if send else self.comm.recv
+        if t.device.type != "cuda":
+            return call(t, peer, async_op=True)
+        key = (t.device.index, peer, send)
+        side = self._streams.get(key)
+        if side is None:
+            side = self._streams[key] = torch.cuda.Stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))
+        t.record_stream(side)
+        return call(t, peer, async_op=True, stream=side.cuda_stream)
 
     def recv_anysource(self, tensors, tag: int):
         raise NotImplementedError("cclrs: recv from any source is not supported")
@@ -397,7 +429,7 @@ def _stop_completers() -> None:
 
 def _register() -> None:
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
 
 
 _register()

@@ -9,8 +9,8 @@ use std::{
 };
 
 use ccl::{
-    BufMut, BufRef, Collective, CollectiveKind as K, Communicator as Comm, Config, DataType,
-    MemoryKind, Options, ReduceOp as Op,
+    cuda::Stream, BufMut, BufRef, Collective, CollectiveKind as K, Communicator as Comm, Config,
+    DataType, MemoryKind, Options, ReduceOp as Op,
 };
 use pyo3::{
     exceptions::{PyTypeError, PyValueError},
@@ -67,6 +67,15 @@ fn op_of(op: &Bound<'_, PyAny>) -> PyResult<Op> {
 /// `check`, `compare_set` and `delete_key`). `timeout` (seconds) bounds
 /// every wait. Calls on one communicator must come in the same order on
 /// every rank: from one thread, or ordered by the program.
+///
+/// A call on arrays in GPU memory (CUDA tensors, `ccl.DeviceBuffer`) is
+/// queued on `stream` (a `CUstream` handle such as
+/// `torch.cuda.current_stream().cuda_stream`; the GPU's default stream if
+/// None): it starts after the work queued there, and later work there sees
+/// its result. Blocking, it returns once the stream has reached it; with
+/// `async_op=True` at once, and its `Work` completes then. A rank that both
+/// sends and receives on one stream deadlocks as with NCCL: use a stream
+/// for each.
 #[pyclass(module = "ccl._ccl", frozen)]
 pub struct Communicator {
     comm: Mutex<Option<Comm>>,
@@ -151,11 +160,19 @@ impl Communicator {
         input: Option<Array>,
         output: Option<Array>,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
         let comm = self.get()?;
         let o = output.as_ref().map_or(Raw::EMPTY, Raw::of);
         // No input: the call reads its output (in place; or a role without input).
         let i = input.as_ref().map_or(o, Raw::of);
+        if let Some(stream) = stream_for(&[input.as_ref(), output.as_ref()], stream)? {
+            // SAFETY: waited for here, or the Work keeps the arrays alive.
+            let work = py
+                .detach(|| unsafe { comm.launch_on_stream(&coll, i.input(), o.output(), &stream) });
+            let keep = input.into_iter().chain(output).map(|a| a.keep).collect();
+            return finish(py, work, keep, async_op);
+        }
         if !async_op {
             // SAFETY: the arrays (`input`, `output`) outlive this blocking call.
             let result = py.detach(|| unsafe { comm.run(&coll, i.input(), o.output()) });
@@ -176,23 +193,38 @@ impl Communicator {
         peer: usize,
         send: bool,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
         let comm = self.get()?;
         let (raw, dtype) = (Raw::of(&buf), buf.dtype);
+        let on = stream_for(&[Some(&buf)], stream)?;
         // SAFETY: as in `start`: waited for here, or the Work keeps `buf`.
         let work = py.detach(|| unsafe {
-            match send {
-                true => comm.launch_send(dtype, peer, raw.input()),
-                false => comm.launch_recv(dtype, peer, raw.output()),
+            match (send, &on) {
+                (true, None) => comm.launch_send(dtype, peer, raw.input()),
+                (false, None) => comm.launch_recv(dtype, peer, raw.output()),
+                (true, Some(s)) => comm.launch_send_on_stream(dtype, peer, raw.input(), s),
+                (false, Some(s)) => comm.launch_recv_on_stream(dtype, peer, raw.output(), s),
             }
         });
-        if async_op {
-            return Ok(Some(Work::new(work, vec![buf.keep])));
-        }
-        let result = py.detach(|| work.wait());
-        drop(buf);
-        result.map(|()| None).map_err(to_py)
+        finish(py, work, vec![buf.keep], async_op)
     }
+}
+
+/// A started call's result: its `Work` (which keeps the arrays' owners
+/// alive), or, blocking, what it ends with once waited for.
+fn finish(
+    py: Python<'_>,
+    work: ccl::Work<()>,
+    keep: Vec<Py<PyAny>>,
+    async_op: bool,
+) -> PyResult<Option<Work>> {
+    if async_op {
+        return Ok(Some(Work::new(work, keep)));
+    }
+    let result = py.detach(|| work.wait());
+    drop(keep);
+    result.map(|()| None).map_err(to_py)
 }
 
 /// Checks that two arrays of one call hold the same element type.
@@ -206,12 +238,12 @@ fn same_dtype(a: &Array, b: &Array) -> PyResult<DataType> {
     Ok(a.dtype)
 }
 
-fn input(obj: &Bound<'_, PyAny>) -> PyResult<Array> {
-    array(obj, "the input")
+fn input(obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<Array> {
+    array(obj, "the input", stream)
 }
 
-fn output(obj: &Bound<'_, PyAny>) -> PyResult<Array> {
-    array(obj, "the output")?.writable("the output")
+fn output(obj: &Bound<'_, PyAny>, stream: Option<u64>) -> PyResult<Array> {
+    array(obj, "the output", stream)?.writable("the output")
 }
 
 /// The arrays of an in-place-capable call: `tensor` and `out`, or `tensor`
@@ -219,17 +251,42 @@ fn output(obj: &Bound<'_, PyAny>) -> PyResult<Array> {
 fn in_place_or(
     tensor: &Bound<'_, PyAny>,
     out: Option<&Bound<'_, PyAny>>,
+    stream: Option<u64>,
 ) -> PyResult<(Option<Array>, Array)> {
     match out {
         Some(out) => {
-            let (i, o) = (input(tensor)?, output(out)?);
+            let (i, o) = (input(tensor, stream)?, output(out, stream)?);
             same_dtype(&i, &o)?;
             Ok((Some(i), o))
         }
         None => Ok((
             None,
-            array(tensor, "the tensor")?.writable("the tensor (in place)")?,
+            array(tensor, "the tensor", stream)?.writable("the tensor (in place)")?,
         )),
+    }
+}
+
+/// The stream a call on `arrays` runs on: for GPU memory, the caller's
+/// `stream` (a `CUstream` handle, as `torch.cuda.Stream.cuda_stream`) or
+/// the GPU's default stream; for host memory none (and a stream is an
+/// error).
+fn stream_for(arrays: &[Option<&Array>], stream: Option<u64>) -> PyResult<Option<Stream>> {
+    let ordinal = arrays.iter().flatten().find_map(|a| match a.kind {
+        MemoryKind::Device { ordinal } => Some(ordinal),
+        MemoryKind::Host => None,
+    });
+    match (ordinal, stream) {
+        (None, None) => Ok(None),
+        (None, Some(s)) => Err(PyValueError::new_err(format!(
+            "stream {s:#x} was given, but the arrays are in host memory (streams order \
+             calls on GPU memory)"
+        ))),
+        (Some(ordinal), s) => {
+            let gpu = ccl::cuda::open(ordinal).map_err(to_py)?;
+            // SAFETY: the caller's stream of that GPU, which it keeps alive
+            // until the work queued on it is done (NCCL's contract too).
+            Ok(Some(unsafe { Stream::borrow_raw(gpu, s.unwrap_or(0)) }))
+        }
     }
 }
 
@@ -333,7 +390,7 @@ impl Communicator {
 
     /// Sums (or reduces by `op`) `tensor` across ranks into `out`, or into
     /// `tensor` itself when `out` is None.
-    #[pyo3(signature = (tensor, out=None, op=None, *, async_op=false))]
+    #[pyo3(signature = (tensor, out=None, op=None, *, async_op=false, stream=None))]
     fn allreduce(
         &self,
         py: Python<'_>,
@@ -341,28 +398,32 @@ impl Communicator {
         out: Option<&Bound<'_, PyAny>>,
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = in_place_or(tensor, out)?;
+        let (i, o) = in_place_or(tensor, out, stream)?;
         let coll = Collective::new(K::AllReduce, o.dtype, o.len()).with_op(op_or_sum(op)?);
-        self.start(py, coll, i, Some(o), async_op)
+        self.start(py, coll, i, Some(o), async_op, stream)
     }
 
     /// Copies `tensor` of rank `root` into `tensor` on every rank.
-    #[pyo3(signature = (tensor, root=0, *, async_op=false))]
+    #[pyo3(signature = (tensor, root=0, *, async_op=false, stream=None))]
     fn broadcast(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         root: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = in_place_or(tensor, None)?;
+        let (i, o) = in_place_or(tensor, None, stream)?;
         let coll = Collective::new(K::Broadcast, o.dtype, o.len()).with_root(root);
-        self.start(py, coll, i, Some(o), async_op)
+        self.start(py, coll, i, Some(o), async_op, stream)
     }
 
     /// Reduces `tensor` across ranks into `out` (or `tensor`) on `root`.
-    #[pyo3(signature = (tensor, out=None, op=None, root=0, *, async_op=false))]
+    #[pyo3(signature = (tensor, out=None, op=None, root=0, *, async_op=false, stream=None))]
+    // The arguments are the Python signature's.
+    #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
         py: Python<'_>,
@@ -371,32 +432,34 @@ impl Communicator {
         op: Option<&Bound<'_, PyAny>>,
         root: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = in_place_or(tensor, out)?;
+        let (i, o) = in_place_or(tensor, out, stream)?;
         let coll = Collective::new(K::Reduce, o.dtype, o.len())
             .with_op(op_or_sum(op)?)
             .with_root(root);
-        self.start(py, coll, i, Some(o), async_op)
+        self.start(py, coll, i, Some(o), async_op, stream)
     }
 
     /// Concatenates every rank's `tensor` into `out` (world_size times as
     /// long), in rank order.
-    #[pyo3(signature = (tensor, out, *, async_op=false))]
+    #[pyo3(signature = (tensor, out, *, async_op=false, stream=None))]
     fn allgather(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = (input(tensor)?, output(out)?);
+        let (i, o) = (input(tensor, stream)?, output(out, stream)?);
         let coll = Collective::new(K::AllGather, same_dtype(&i, &o)?, i.len());
-        self.start(py, coll, Some(i), Some(o), async_op)
+        self.start(py, coll, Some(i), Some(o), async_op, stream)
     }
 
     /// Reduces `tensor` (world_size blocks) across ranks; rank r gets block
     /// r in `out`.
-    #[pyo3(signature = (tensor, out, op=None, *, async_op=false))]
+    #[pyo3(signature = (tensor, out, op=None, *, async_op=false, stream=None))]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -404,24 +467,26 @@ impl Communicator {
         out: &Bound<'_, PyAny>,
         op: Option<&Bound<'_, PyAny>>,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = (input(tensor)?, output(out)?);
+        let (i, o) = (input(tensor, stream)?, output(out, stream)?);
         let coll =
             Collective::new(K::ReduceScatter, same_dtype(&i, &o)?, o.len()).with_op(op_or_sum(op)?);
-        self.start(py, coll, Some(i), Some(o), async_op)
+        self.start(py, coll, Some(i), Some(o), async_op, stream)
     }
 
     /// Block j of `tensor` (world_size equal blocks) goes to rank j, which
     /// puts it at block r of its `out`.
-    #[pyo3(signature = (tensor, out, *, async_op=false))]
+    #[pyo3(signature = (tensor, out, *, async_op=false, stream=None))]
     fn alltoall(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let (i, o) = (input(tensor)?, output(out)?);
+        let (i, o) = (input(tensor, stream)?, output(out, stream)?);
         let n = self.get()?.world_size();
         if i.len() % n != 0 {
             return Err(PyValueError::new_err(format!(
@@ -430,12 +495,12 @@ impl Communicator {
             )));
         }
         let coll = Collective::new(K::AllToAll, same_dtype(&i, &o)?, i.len() / n);
-        self.start(py, coll, Some(i), Some(o), async_op)
+        self.start(py, coll, Some(i), Some(o), async_op, stream)
     }
 
     /// Concatenates every rank's `tensor` into `out` on `root` (other
     /// ranks may pass None).
-    #[pyo3(signature = (tensor, out=None, root=0, *, async_op=false))]
+    #[pyo3(signature = (tensor, out=None, root=0, *, async_op=false, stream=None))]
     fn gather(
         &self,
         py: Python<'_>,
@@ -443,20 +508,21 @@ impl Communicator {
         out: Option<&Bound<'_, PyAny>>,
         root: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let i = input(tensor)?;
-        let o = out.map(output).transpose()?;
+        let i = input(tensor, stream)?;
+        let o = out.map(|o| output(o, stream)).transpose()?;
         let dtype = match &o {
             Some(o) => same_dtype(&i, o)?,
             None => i.dtype,
         };
         let coll = Collective::new(K::Gather, dtype, i.len()).with_root(root);
-        self.start(py, coll, Some(i), o, async_op)
+        self.start(py, coll, Some(i), o, async_op, stream)
     }
 
     /// Block r of `tensor` on `root` (world_size blocks; other ranks may
     /// pass None) goes to `out` on rank r.
-    #[pyo3(signature = (tensor, out, root=0, *, async_op=false))]
+    #[pyo3(signature = (tensor, out, root=0, *, async_op=false, stream=None))]
     fn scatter(
         &self,
         py: Python<'_>,
@@ -464,46 +530,49 @@ impl Communicator {
         out: &Bound<'_, PyAny>,
         root: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        let o = output(out)?;
-        let i = tensor.map(input).transpose()?;
+        let o = output(out, stream)?;
+        let i = tensor.map(|t| input(t, stream)).transpose()?;
         let dtype = match &i {
             Some(i) => same_dtype(i, &o)?,
             None => o.dtype,
         };
         let coll = Collective::new(K::Scatter, dtype, o.len()).with_root(root);
-        self.start(py, coll, i, Some(o), async_op)
+        self.start(py, coll, i, Some(o), async_op, stream)
     }
 
     /// Returns once every rank has called it.
     #[pyo3(signature = (*, async_op=false))]
     fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Option<Work>> {
         let coll = Collective::new(K::Barrier, DataType::U8, 0);
-        self.start(py, coll, None, None, async_op)
+        self.start(py, coll, None, None, async_op, None)
     }
 
     /// Sends `tensor` to rank `peer`, which receives it with `recv`.
-    #[pyo3(signature = (tensor, peer, *, async_op=false))]
+    #[pyo3(signature = (tensor, peer, *, async_op=false, stream=None))]
     fn send(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         peer: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        self.transfer(py, input(tensor)?, peer, true, async_op)
+        self.transfer(py, input(tensor, stream)?, peer, true, async_op, stream)
     }
 
     /// Receives into `tensor` what rank `peer` sends.
-    #[pyo3(signature = (tensor, peer, *, async_op=false))]
+    #[pyo3(signature = (tensor, peer, *, async_op=false, stream=None))]
     fn recv(
         &self,
         py: Python<'_>,
         tensor: &Bound<'_, PyAny>,
         peer: usize,
         async_op: bool,
+        stream: Option<u64>,
     ) -> PyResult<Option<Work>> {
-        self.transfer(py, output(tensor)?, peer, false, async_op)
+        self.transfer(py, output(tensor, stream)?, peer, false, async_op, stream)
     }
 
     /// Splits the ranks (`MPI_Comm_split`): ranks with equal `color` form a

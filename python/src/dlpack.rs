@@ -14,27 +14,27 @@ use pyo3::{
 };
 
 #[repr(C)]
-struct DlDevice {
-    device_type: i32,
-    device_id: i32,
+pub(crate) struct DlDevice {
+    pub device_type: i32,
+    pub device_id: i32,
 }
 
 #[repr(C)]
-struct DlDataType {
+pub(crate) struct DlDataType {
     code: u8,
     bits: u8,
     lanes: u16,
 }
 
 #[repr(C)]
-struct DlTensor {
-    data: *mut c_void,
-    device: DlDevice,
-    ndim: i32,
-    dtype: DlDataType,
-    shape: *const i64,
-    strides: *const i64,
-    byte_offset: u64,
+pub(crate) struct DlTensor {
+    pub data: *mut c_void,
+    pub device: DlDevice,
+    pub ndim: i32,
+    pub dtype: DlDataType,
+    pub shape: *const i64,
+    pub strides: *const i64,
+    pub byte_offset: u64,
 }
 
 /// DLPack before 1.0: the tensor comes first.
@@ -56,7 +56,7 @@ struct DlManagedTensorVersioned {
 
 const READ_ONLY: u64 = 1;
 const CPU: i32 = 1;
-const CUDA: i32 = 2;
+pub(crate) const CUDA: i32 = 2;
 const CUDA_HOST: i32 = 3;
 
 /// A contiguous array lent by Python: its memory, its element type, and the
@@ -84,6 +84,22 @@ impl Array {
             )));
         }
         Ok(self)
+    }
+}
+
+/// The DLPack dtype of an element type.
+pub(crate) fn dl_dtype(d: DataType) -> DlDataType {
+    use DataType as D;
+    let code = match d {
+        D::I8 | D::I32 | D::I64 => 0,
+        D::U8 | D::U32 | D::U64 => 1,
+        D::F16 | D::F32 | D::F64 => 2,
+        D::Bf16 => 4,
+    };
+    DlDataType {
+        code,
+        bits: (d.size() * 8) as u8,
+        lanes: 1,
     }
 }
 
@@ -117,8 +133,15 @@ fn dtype_of(t: &DlDataType, what: &str) -> PyResult<DataType> {
     Ok(d)
 }
 
-/// The capsule `obj.__dlpack__()` returns, versioned where the exporter can.
-fn capsule<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAny>> {
+/// The capsule `obj.__dlpack__()` returns, versioned where the exporter
+/// can. For memory of a GPU, `stream` is the stream the call will run on
+/// (DLPack's numbering: 1 is the legacy default stream), which the
+/// exporter makes wait for its own work on the memory.
+fn capsule<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    stream: Option<u64>,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
     if !obj.hasattr("__dlpack__")? {
         // bytearray, array.array, memoryview...: through numpy, which shares
@@ -137,12 +160,22 @@ fn capsule<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Bound<'py, PyAn
         let np = py.import("numpy").map_err(|_| no_memory())?;
         // A view of the object's own memory, not a copy.
         let array = np.call_method1("asarray", (view,))?;
-        return capsule(&array, what);
+        return capsule(&array, what, None);
     }
     let kwargs = PyDict::new(py);
-    kwargs.set_item("max_version", (1, 0))?;
-    let result = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
-        Err(e) if e.is_instance_of::<PyTypeError>(py) => obj.call_method0("__dlpack__"),
+    if obj.hasattr("__dlpack_device__")? {
+        let (device_type, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+        if device_type == CUDA {
+            kwargs.set_item("stream", stream.filter(|&s| s != 0).unwrap_or(1))?;
+        }
+    }
+    let versioned = kwargs.copy()?;
+    versioned.set_item("max_version", (1, 0))?;
+    // Exporters older than DLPack 1.0 take no max_version.
+    let result = match obj.call_method("__dlpack__", (), Some(&versioned)) {
+        Err(e) if e.is_instance_of::<PyTypeError>(py) => {
+            obj.call_method("__dlpack__", (), Some(&kwargs))
+        }
         other => other,
     };
     result.map_err(|e| {
@@ -160,9 +193,10 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
 }
 
 /// The memory of `obj` (a numpy array, a torch tensor, anything with
-/// `__dlpack__` or the buffer protocol), which must be contiguous.
-pub fn array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Array> {
-    let cap = capsule(obj, what)?;
+/// `__dlpack__` or the buffer protocol), which must be contiguous; a GPU's
+/// memory is made ready for `stream` (the call's; None: the default).
+pub fn array(obj: &Bound<'_, PyAny>, what: &str, stream: Option<u64>) -> PyResult<Array> {
+    let cap = capsule(obj, what, stream)?;
     // SAFETY: a capsule from __dlpack__ holds a DLManagedTensor(Versioned)
     // under the name that says which; both stay valid while it lives, and
     // we keep it alive (`keep`) as long as the memory is used.

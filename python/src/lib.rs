@@ -4,6 +4,7 @@
 //! (`ccl`, `ccl.torch`, `ccl.train`) build on it.
 
 mod comm;
+mod device;
 mod dlpack;
 mod interpreter;
 mod store;
@@ -42,7 +43,7 @@ create_exception!(
     ccl,
     UnsupportedError,
     Error,
-    "Something this build cannot do (device memory without GPU support)."
+    "Something this machine cannot do (GPU memory without a CUDA driver)."
 );
 
 /// The Python exception of a ccl error: `ValueError` for bad arguments,
@@ -67,6 +68,7 @@ fn _ccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<comm::Communicator>()?;
     m.add_class::<work::Work>()?;
+    m.add_class::<device::DeviceBuffer>()?;
     m.add_function(wrap_pyfunction!(interpreter::_at_exit, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;
