@@ -57,7 +57,7 @@ pub use transports::Transports;
 pub mod cuda {
     pub use crate::device::Transfer;
     pub use ccl_transport_cuda_ipc::{
-        current_device, open, Gpu, GpuEvent, RawStream, StandInGpu, Stream,
+        current_device, gpu_in_use, open, Gpu, GpuEvent, RawStream, StandInGpu, Stream,
     };
 }
 

@@ -71,6 +71,11 @@ pub(crate) fn place(
 ) -> Result<Place> {
     let used = || buffers.iter().filter(|(p, len)| *len > 0 && !p.is_null());
     if stream.is_null() {
+        // A thread that never touched CUDA (nor ccl's GPU calls) holds no
+        // device memory: no context is made for it.
+        if !cuda::gpu_in_use() {
+            return Ok(Place::Host);
+        }
         let Some(gpu) = driver() else {
             return Ok(Place::Host);
         };

@@ -56,6 +56,18 @@ pub(crate) fn load() -> Result<()> {
         .clone()
 }
 
+/// Whether the calling thread has a current CUDA context (false without a
+/// driver).
+pub(crate) fn context_current() -> bool {
+    if load().is_err() {
+        return false;
+    }
+    let mut current: cu::CUcontext = ptr::null_mut();
+    // SAFETY: out-parameter.
+    let r = unsafe { cu::cuCtxGetCurrent(&mut current) };
+    r == CUresult::CUDA_SUCCESS && !current.is_null()
+}
+
 /// The device of the calling thread's current CUDA context (which the CUDA
 /// runtime's `cudaSetDevice` makes), or device 0 where none is current.
 pub(crate) fn current_device() -> Result<u32> {

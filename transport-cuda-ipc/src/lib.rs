@@ -35,6 +35,20 @@ pub fn stand_in_requested() -> bool {
     std::env::var("CCL_CUDA_STAND_IN").is_ok_and(|v| v == "1")
 }
 
+/// The GPUs opened in this process.
+static OPEN: Mutex<BTreeMap<u32, Arc<dyn Gpu>>> = Mutex::new(BTreeMap::new());
+
+/// Whether this thread may hold GPU memory: with the stand-in, once this
+/// process opened a GPU, or where the thread has a current CUDA context
+/// (the CUDA runtime makes one at its first call). A program that never
+/// touched CUDA gets false without a context being made for it.
+pub fn gpu_in_use() -> bool {
+    if stand_in_requested() || !OPEN.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        return true;
+    }
+    cuda::context_current()
+}
+
 /// GPU `ordinal`: the CUDA device, or the host stand-in when
 /// `CCL_CUDA_STAND_IN=1`; one value per ordinal and process, so that
 /// memory one caller allocates is known to the next (the stand-in's).
@@ -42,7 +56,6 @@ pub fn stand_in_requested() -> bool {
 /// [`Error::Unsupported`](ccl_core::Error::Unsupported) that names the
 /// library it looked for.
 pub fn open(ordinal: u32) -> Result<Arc<dyn Gpu>> {
-    static OPEN: Mutex<BTreeMap<u32, Arc<dyn Gpu>>> = Mutex::new(BTreeMap::new());
     let mut open = OPEN.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(gpu) = open.get(&ordinal) {
         return Ok(gpu.clone());
