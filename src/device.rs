@@ -16,8 +16,8 @@ use std::{
 };
 
 use ccl_core::{
-    work_pair, BufMut, BufRef, Collective, CollectiveKind, DataType, Error, Event, MemoryKind,
-    ReduceOp, Result, Work,
+    frame::HEADER_LEN, work_pair, BufMut, BufRef, Call, Collective, CollectiveKind, DataType,
+    Error, Event, FrameHeader, MemoryKind, ReduceOp, Result, Work,
 };
 use ccl_transport_cuda_ipc::{
     ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
@@ -361,7 +361,7 @@ impl Communicator {
             let (from, to) = (input.as_ptr(), output.as_mut_ptr());
             let count = match self
                 .goes_direct(coll)
-                .then(|| self.map_buffers(&group, from, to))
+                .then(|| self.map_buffers(coll, &group, from, to))
                 .transpose()?
             {
                 Some(Some(bufs)) => {
@@ -436,24 +436,43 @@ impl Communicator {
     /// the stream-ordered allocator, say), and the call goes through slots.
     fn map_buffers(
         &self,
+        coll: &Collective,
         group: &IpcGroup,
         input: *const u8,
         output: *mut u8,
     ) -> Result<Option<Direct>> {
-        let n = self.inner.world_size;
-        let mine = group.describe(input, output).unwrap_or_else(|e| {
-            tracing::debug!(
-                rank = self.inner.rank,
-                "buffers not exportable ({e}); through slots"
-            );
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let described = group.describe(input, output).unwrap_or_else(|e| {
+            tracing::debug!(rank, "buffers not exportable ({e}); through slots");
             [0; DESCRIPTION_BYTES]
         });
-        let mut every = vec![0u8; DESCRIPTION_BYTES * n];
+        // With the call's header, so that ranks that made different calls
+        // fail, naming both, before any reads another's buffer.
+        let call = Call {
+            comm: self.inner.comm,
+            seq: 0,
+            rank,
+            world_size: n,
+            coll: *coll,
+        };
+        let header = call.header(0, 0);
+        let each = DESCRIPTION_BYTES + HEADER_LEN;
+        let mut mine = described.to_vec();
+        mine.extend_from_slice(&header.encode());
+        let mut every = vec![0u8; each * n];
         self.allgather_into(&mine, &mut every)?;
-        let all: Vec<[u8; DESCRIPTION_BYTES]> = every
-            .chunks(DESCRIPTION_BYTES)
-            .map(|c| c.try_into().expect("whole descriptions"))
-            .collect();
+        let mut all: Vec<[u8; DESCRIPTION_BYTES]> = Vec::with_capacity(n);
+        for (peer, theirs) in every.chunks(each).enumerate() {
+            let (description, their_header) = theirs.split_at(DESCRIPTION_BYTES);
+            let got = FrameHeader::decode(their_header).map_err(|msg| Error::Protocol {
+                rank,
+                peer,
+                call: call.name(),
+                msg,
+            })?;
+            header.check_received(&got, rank, peer)?;
+            all.push(description.try_into().expect("whole descriptions"));
+        }
         // A handle is never empty: an empty one is a rank that could not export.
         let exportable = all
             .iter()

@@ -411,3 +411,34 @@ fn device_calls_check_where_their_memory_lives() {
         );
     }
 }
+
+/// Ranks whose device allreduces differ (count, element type, op) all fail
+/// naming the mismatch, before any reads another's buffer (the direct IPC
+/// path checks the calls when it exchanges the buffers' handles).
+#[test]
+fn mismatched_device_allreduces_fail_on_every_rank() {
+    for what in ["count", "dtype", "op"] {
+        let vars = [
+            ("CCL_CUDA_STAND_IN", "1".to_string()),
+            ("CCL_CUDA_IPC_DIRECT", "0".to_string()),
+            ("CCL_TIMEOUT", "30s".to_string()),
+        ];
+        let out = launch(
+            WORKER,
+            &["device-mismatch", what],
+            2,
+            &vars,
+            Duration::from_secs(60),
+        );
+        assert_all_ok(&out, &format!("device mismatch of {what}"));
+        for o in &out {
+            assert!(
+                o.stdout.contains("mismatched calls"),
+                "{what}, rank {}: {}\n{}",
+                o.rank,
+                o.stdout,
+                o.stderr
+            );
+        }
+    }
+}

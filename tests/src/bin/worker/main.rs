@@ -12,7 +12,7 @@ use std::{process::exit, time::Instant};
 mod calls;
 mod checks;
 
-use calls::OnDevice;
+use calls::{Calls, OnDevice};
 use ccl::{bf16, f16, Communicator, ReduceOp};
 use checks::{check_calls, check_type, Checker};
 
@@ -322,6 +322,35 @@ fn main() {
                 other => ck.fail(format!(
                     "after an error the communicator must be broken, got {other:?}"
                 )),
+            }
+        }
+        "device-mismatch" => {
+            // Rank 0's device allreduce differs from the others' in `what`.
+            let what = args.get(2).map(String::as_str).unwrap_or("count");
+            let Some(gpu) = ck.ok("opening the GPU", ccl::cuda::open(0)) else {
+                exit(1);
+            };
+            let Some(stream) = ck.ok("a stream", ccl::cuda::Stream::new(gpu)) else {
+                exit(1);
+            };
+            let dev = OnDevice {
+                comm: &comm,
+                stream,
+            };
+            let odd = comm.rank() == 0;
+            let mut floats = vec![1.0f32; 1000 + usize::from(odd && what == "count")];
+            let r = match what {
+                "dtype" if odd => dev.allreduce(&mut vec![1i32; 1000], ReduceOp::Sum),
+                "op" if odd => dev.allreduce(&mut floats, ReduceOp::Max),
+                "count" | "dtype" | "op" => dev.allreduce(&mut floats, ReduceOp::Sum),
+                other => {
+                    eprintln!("unknown mismatch {other}");
+                    exit(2);
+                }
+            };
+            match r {
+                Ok(()) => ck.fail(format!("device allreduce with mismatched {what} succeeded")),
+                Err(e) => println!("rank {} error: {e}", comm.rank()),
             }
         }
         "killed" => {
