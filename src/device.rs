@@ -17,9 +17,10 @@ use std::{
 
 use ccl_core::{
     frame::HEADER_LEN, work_pair, BufMut, BufRef, Call, Collective, CollectiveKind, DataType,
-    Error, Event, FrameHeader, MemoryKind, ReduceOp, Result, Work,
+    Element, Error, Event, FrameHeader, MemoryKind, ReduceOp, Result, Work,
 };
 use ccl_transport_cuda_ipc::{
+    cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut},
     ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
     staging::{Chunk, Layout, Staging},
     Gpu, GpuEvent, Stream,
@@ -286,6 +287,119 @@ impl Communicator {
             self.submit_transfer(dtype, peer, send, host, Some(before), done);
         }
         Ok(work.after(launch.finish(stream)?))
+    }
+
+    /// The collective `template` (count 0; its element type is `T`'s) in
+    /// place on cudarc's `buf`, queued on cudarc's `stream`, counted and
+    /// laid out as [`Communicator::launch_in_place_on_stream`] does. Safe as
+    /// cudarc's own copies are: the call is recorded on `stream` as a use of
+    /// `buf`, so that cudarc orders later uses of `buf`, and its free,
+    /// after it. The `Work` completes when the stream has done it.
+    pub fn launch_in_place_on_cudarc<T: Element>(
+        &self,
+        template: Collective,
+        buf: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Work<()> {
+        let launched = self.cudarc_stream(stream).map(|(ours, kind)| {
+            let bytes = buf.len() * size_of::<T>();
+            let (ptr, _recorded) = buf.device_ptr_mut(stream);
+            let template = Collective {
+                dtype: T::DTYPE,
+                ..template
+            };
+            // SAFETY: `buf`'s memory, whose later uses cudarc orders after
+            // this call (`_recorded` records it on `stream` when dropped).
+            unsafe {
+                let buf = BufMut::from_raw(kind, ptr as *mut u8, bytes);
+                self.launch_in_place_on_stream(template, buf, &ours)
+            }
+        });
+        launched.unwrap_or_else(|e| Work::ready(Err(e)))
+    }
+
+    /// The collective `template` (count 0) from cudarc's `input` into its
+    /// `output`, queued on cudarc's `stream`; as
+    /// [`Communicator::launch_in_place_on_cudarc`].
+    pub fn launch_on_cudarc<T: Element>(
+        &self,
+        template: Collective,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Work<()> {
+        let launched = self.cudarc_stream(stream).map(|(ours, kind)| {
+            let bytes = |n: usize| n * size_of::<T>();
+            let (from, to) = (bytes(input.len()), bytes(output.len()));
+            let (input, _read) = input.device_ptr(stream);
+            let (output, _written) = output.device_ptr_mut(stream);
+            let template = Collective {
+                dtype: T::DTYPE,
+                ..template
+            };
+            // SAFETY: as in `launch_in_place_on_cudarc`, for both slices.
+            unsafe {
+                let input = BufRef::from_raw(kind, input as *const u8, from);
+                let output = BufMut::from_raw(kind, output as *mut u8, to);
+                self.launch_out_of_place_on_stream(template, input, output, &ours)
+            }
+        });
+        launched.unwrap_or_else(|e| Work::ready(Err(e)))
+    }
+
+    /// Sends cudarc's `data` to rank `peer`, queued on cudarc's `stream`
+    /// (see [`Communicator::launch_send_on_stream`]: a rank that also
+    /// receives uses another stream for that).
+    pub fn launch_send_on_cudarc<T: Element>(
+        &self,
+        peer: usize,
+        data: &CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Work<()> {
+        let launched = self.cudarc_stream(stream).map(|(ours, kind)| {
+            let bytes = data.len() * size_of::<T>();
+            let (ptr, _read) = data.device_ptr(stream);
+            // SAFETY: as in `launch_in_place_on_cudarc`.
+            unsafe {
+                let data = BufRef::from_raw(kind, ptr as *const u8, bytes);
+                self.launch_send_on_stream(T::DTYPE, peer, data, &ours)
+            }
+        });
+        launched.unwrap_or_else(|e| Work::ready(Err(e)))
+    }
+
+    /// Receives into cudarc's `into` from rank `peer`, queued on cudarc's
+    /// `stream` (see [`Communicator::launch_send_on_cudarc`]).
+    pub fn launch_recv_on_cudarc<T: Element>(
+        &self,
+        peer: usize,
+        into: &mut CudaSlice<T>,
+        stream: &CudaStream,
+    ) -> Work<()> {
+        let launched = self.cudarc_stream(stream).map(|(ours, kind)| {
+            let bytes = into.len() * size_of::<T>();
+            let (ptr, _written) = into.device_ptr_mut(stream);
+            // SAFETY: as in `launch_in_place_on_cudarc`.
+            unsafe {
+                let into = BufMut::from_raw(kind, ptr as *mut u8, bytes);
+                self.launch_recv_on_stream(T::DTYPE, peer, into, &ours)
+            }
+        });
+        launched.unwrap_or_else(|e| Work::ready(Err(e)))
+    }
+
+    /// cudarc's `stream` as ccl's, and the memory kind of its GPU.
+    fn cudarc_stream(&self, stream: &CudaStream) -> Result<(Stream, MemoryKind)> {
+        let gpu = ccl_transport_cuda_ipc::open(stream.context().ordinal() as u32)?;
+        let kind = MemoryKind::Device {
+            ordinal: gpu.ordinal(),
+        };
+        // SAFETY: cudarc's stream of that GPU (its primary context, as
+        // ccl's), alive for this call, which queues all it needs on it now.
+        Ok((
+            unsafe { Stream::borrow_raw(gpu, stream.cu_stream() as u64) },
+            kind,
+        ))
     }
 
     /// How this communicator runs device calls like `coll`, once its first

@@ -52,10 +52,13 @@ pub use transports::Transports;
 /// GPUs: open one ([`cuda::open`]), wrap the caller's stream
 /// ([`cuda::Stream::borrow_raw`]) and pass device memory to
 /// [`Communicator::launch_on_stream`] (collectives) or
-/// [`Communicator::launch_transfers_on_stream`] (send and receive).
+/// [`Communicator::launch_transfers_on_stream`] (send and receive); or hand
+/// cudarc's slices and stream to [`Communicator::launch_in_place_on_cudarc`]
+/// and its siblings, which are safe.
 #[cfg(feature = "cuda")]
 pub mod cuda {
     pub use crate::device::Transfer;
+    pub use ccl_transport_cuda_ipc::cudarc;
     pub use ccl_transport_cuda_ipc::{
         current_device, gpu_in_use, open, Gpu, GpuEvent, RawStream, StandInGpu, Stream,
     };

@@ -150,6 +150,26 @@ fn every_collective_on_a_real_gpu() {
     }
 }
 
+/// Collectives and transfers on cudarc's slices and streams, 1 to 4 ranks on
+/// CUDA device 0 (cudarc cannot drive the stand-in). Runs where
+/// `CCL_REQUIRE_CUDA=1` says there is a GPU.
+#[test]
+fn cudarc_slices_on_a_real_gpu() {
+    if !require_cuda() {
+        eprintln!("skipped: no GPU here (CCL_REQUIRE_CUDA=1 runs this on CUDA device 0)");
+        return;
+    }
+    for n in [1, 2, 3, 4] {
+        let env = [("CCL_TIMEOUT", "120s".to_string())];
+        let out = launch(WORKER, &["cudarc"], n, &env, Duration::from_secs(300));
+        assert_all_ok(&out, &format!("cudarc slices, {n} ranks"));
+        for o in &out {
+            assert!(o.stdout.contains("cudarc: "), "{}", o.stdout);
+            assert!(o.stdout.contains(" 0 failures"), "{}", o.stdout);
+        }
+    }
+}
+
 /// Without a driver, asking for CUDA is an error naming the library; never
 /// a panic (cudarc panics if called without one).
 #[test]

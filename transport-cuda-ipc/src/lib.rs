@@ -25,6 +25,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+/// The cudarc this crate is built on, for callers that hold its slices and
+/// streams.
+pub use cudarc;
 pub use gpu::{Exported, Flags, Gpu, GpuEvent, RawEvent, RawStream, Stream};
 pub use stand_in::StandInGpu;
 

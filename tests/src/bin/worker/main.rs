@@ -115,6 +115,74 @@ fn device_transfers<T: checks::TestElem>(dev: &OnDevice, ck: &mut Checker) {
     }
 }
 
+/// Collectives and transfers on cudarc's slices and stream, on CUDA device
+/// 0: a real GPU only (cudarc cannot drive the stand-in).
+fn cudarc_checks(comm: &Communicator, ck: &mut Checker) {
+    use ccl::{cuda::cudarc::driver::CudaContext, Collective, CollectiveKind, DataType};
+    // ccl::cuda::open checks for the driver first: cudarc would panic without one.
+    if ck.ok("opening the GPU", ccl::cuda::open(0)).is_none() {
+        return;
+    }
+    let cuda = |e: ccl::cuda::cudarc::driver::DriverError| ccl::Error::Internal(e.to_string());
+    let Some(ctx) = ck.ok("cudarc's context", CudaContext::new(0).map_err(cuda)) else {
+        return;
+    };
+    let Some(stream) = ck.ok("a cudarc stream", ctx.new_stream().map_err(cuda)) else {
+        return;
+    };
+    let (r, n) = (comm.rank(), comm.world_size());
+    let count = 1 << 20;
+    let host: Vec<f32> = (0..count).map(|i| (r + i % 7) as f32).collect();
+    let Some(mut buf) = ck.ok("upload", stream.clone_htod(&host).map_err(cuda)) else {
+        return;
+    };
+    let sum = Collective::new(CollectiveKind::AllReduce, DataType::F32, 0).with_op(ReduceOp::Sum);
+    ck.ok(
+        "cudarc allreduce",
+        comm.launch_in_place_on_cudarc(sum, &mut buf, &stream)
+            .wait(),
+    );
+    if let Some(back) = ck.ok("download", stream.clone_dtoh(&buf).map_err(cuda)) {
+        let want = |i: usize| (n * (n - 1) / 2 + n * (i % 7)) as f32;
+        ck.vec("cudarc allreduce in place", &back, want, count);
+    }
+    let mine = stream.clone_htod(&vec![r as i64; 1000]).map_err(cuda);
+    let all = stream.alloc_zeros::<i64>(1000 * n).map_err(cuda);
+    if let (Some(mine), Some(mut all)) = (ck.ok("upload", mine), ck.ok("alloc", all)) {
+        let gather = Collective::new(CollectiveKind::AllGather, DataType::I64, 0);
+        ck.ok(
+            "cudarc allgather",
+            comm.launch_on_cudarc(gather, &mine, &mut all, &stream)
+                .wait(),
+        );
+        if let Some(back) = ck.ok("download", stream.clone_dtoh(&all).map_err(cuda)) {
+            ck.vec("cudarc allgather", &back, |i| (i / 1000) as i64, 1000 * n);
+        }
+    }
+    if n > 1 && (r == 0 || r == n - 1) {
+        let data: Vec<f64> = (0..count).map(|i| i as f64).collect();
+        if r == 0 {
+            if let Some(out) = ck.ok("upload", stream.clone_htod(&data).map_err(cuda)) {
+                ck.ok(
+                    "cudarc send",
+                    comm.launch_send_on_cudarc(n - 1, &out, &stream).wait(),
+                );
+            }
+        } else if let Some(mut into) =
+            ck.ok("alloc", stream.alloc_zeros::<f64>(count).map_err(cuda))
+        {
+            ck.ok(
+                "cudarc recv",
+                comm.launch_recv_on_cudarc(0, &mut into, &stream).wait(),
+            );
+            if let Some(back) = ck.ok("download", stream.clone_dtoh(&into).map_err(cuda)) {
+                ck.vec("cudarc send and recv", &back, |i| i as f64, count);
+            }
+        }
+    }
+    println!("cudarc: {}", ctx.name().unwrap_or_default());
+}
+
 fn p2p(comm: &Communicator, ck: &mut Checker) {
     let (r, n) = (comm.rank(), comm.world_size());
     if n == 1 {
@@ -324,6 +392,7 @@ fn main() {
                 )),
             }
         }
+        "cudarc" => cudarc_checks(&comm, &mut ck),
         "device-mismatch" => {
             // Rank 0's device allreduce differs from the others' in `what`.
             let what = args.get(2).map(String::as_str).unwrap_or("count");
