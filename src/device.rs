@@ -22,14 +22,16 @@ use ccl_core::{
 use ccl_transport_cuda_ipc::{
     cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut},
     ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
-    staging::{Chunk, Layout, Staging},
+    staging::{Chunk, Launch, Layout, Staging},
     Gpu, GpuEvent, Stream,
 };
 
 use crate::{call::Prepared, engine::Before, Communicator};
 
-/// The first error of a call's chunks, and the completer its last chunk uses.
+/// A staged call's parts still to report (each chunk, and its launch), the
+/// first error among them, and the completer the last one uses.
 struct Outcome {
+    left: usize,
     error: Option<Error>,
     completer: Option<ccl_core::Completer<()>>,
 }
@@ -158,10 +160,13 @@ impl Communicator {
     }
 
     /// Queues a send of the device memory `data` (elements of `dtype`) to
-    /// rank `peer`, in the order of `stream`; `peer` receives it with
-    /// [`Communicator::launch_recv_on_stream`] (or a host `recv`) of the
-    /// same length. Transfers are staged through pinned host memory in
-    /// chunks, on a lane per peer and direction. Like NCCL's, a transfer
+    /// rank `peer`, in the order of `stream`; `peer` receives it into
+    /// device memory of the same length ([`Communicator::launch_recv_on_stream`]).
+    /// Transfers are staged through pinned host memory in chunks of
+    /// `CCL_CUDA_CHUNK`, each a message of its own, on a lane per peer and
+    /// direction: both sides must be device transfers, cut alike (the same
+    /// `CCL_CUDA_CHUNK` on every rank), or the receiver reports a mismatch.
+    /// Like NCCL's, a transfer
     /// holds up later work on `stream` until it is done: a rank that both
     /// sends and receives on one stream (an exchange) queues them together
     /// with [`Communicator::launch_transfers_on_stream`].
@@ -212,15 +217,33 @@ impl Communicator {
         transfers: Vec<Transfer<'_>>,
         stream: &Stream,
     ) -> Vec<Work<()>> {
-        let start = stream.record();
+        match stream.record() {
+            Ok(start) => self.launch_transfers_after(transfers, &start, stream),
+            Err(e) => transfers
+                .iter()
+                .map(|_| Work::ready(Err(e.clone())))
+                .collect(),
+        }
+    }
+
+    /// [`Communicator::launch_transfers_on_stream`] after `start`, an event
+    /// recorded on `stream` earlier: transfers of several communicators on
+    /// one stream (an NCCL group over them) share one start, so that none
+    /// waits for another's.
+    ///
+    /// # Safety
+    /// As for [`Communicator::launch_on_stream`], for every transfer's memory.
+    pub unsafe fn launch_transfers_after(
+        &self,
+        transfers: Vec<Transfer<'_>>,
+        start: &GpuEvent,
+        stream: &Stream,
+    ) -> Vec<Work<()>> {
         transfers
             .into_iter()
             .map(|t| {
-                let staged = start
-                    .as_ref()
-                    .map_err(Error::clone)
-                    .and_then(|start| self.stage_transfer(t, start, stream));
-                staged.unwrap_or_else(|e| Work::ready(Err(e)))
+                self.stage_transfer(t, start, stream)
+                    .unwrap_or_else(|e| Work::ready(Err(e)))
             })
             .collect()
     }
@@ -269,9 +292,9 @@ impl Communicator {
                 ..whole
             },
         };
-        let (work, outcome) = Outcome::new();
         let mut launch = staging.launch_after(start)?;
         let chunks = layout.chunks();
+        let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
             let chunk = launch.stage_in(&layout, ptr, k);
             let (host_in, host_out) = launch.host_buffers(&layout, &chunk);
@@ -282,11 +305,10 @@ impl Communicator {
                 false => host_out,
             };
             let before = staged_in(chunk.gate.clone(), None);
-            let last = k + 1 == chunks;
-            let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome, last);
+            let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome);
             self.submit_transfer(dtype, peer, send, host, Some(before), done);
         }
-        Ok(work.after(launch.finish(stream)?))
+        Ok(finish(launch, stream, &outcome, work))
     }
 
     /// The collective `template` (count 0; its element type is `T`'s) in
@@ -504,9 +526,9 @@ impl Communicator {
         let staging = self.staging(gpu)?;
         let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
         let (input, output) = (input.as_ptr() as usize, output.as_mut_ptr() as usize);
-        let (work, outcome) = Outcome::new();
         let mut launch = staging.launch(stream)?;
         let chunks = layout.chunks();
+        let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
             let chunk = launch.stage_in(&layout, input as *const u8, k);
             let (host_in, host_out) = launch.host_buffers(&layout, &chunk);
@@ -518,8 +540,16 @@ impl Communicator {
                 op: prescale.map_or(coll.op, |_| ReduceOp::Sum),
                 ..*coll
             };
-            // The chunk's arguments follow from the call's, checked above.
-            let Prepared { io, scaled } = self.prepare(&sub, host_in, host_out)?;
+            // The chunk's arguments follow from the call's, checked above;
+            // were they refused, the chunk still reports (and is counted).
+            let back = staged_out(&staging, layout, chunk.clone(), output, &outcome);
+            let Prepared { io, scaled } = match self.prepare(&sub, host_in, host_out) {
+                Ok(prepared) => prepared,
+                Err(e) => {
+                    back(Err(e));
+                    continue;
+                }
+            };
             let (gate, scale) = (
                 chunk.gate.clone(),
                 (host_in.as_ptr() as usize, host_in.len()),
@@ -533,8 +563,6 @@ impl Communicator {
                 }) as Box<dyn FnOnce() -> Result<()> + Send>
             });
             let before = staged_in(gate, then);
-            let last = k + 1 == chunks;
-            let back = staged_out(&staging, layout, chunk, output, &outcome, last);
             let done = Box::new(move |result: Result<()>| {
                 drop(scaled);
                 back(result)
@@ -542,7 +570,7 @@ impl Communicator {
             let choice = self.inner.selection.choice(&sub);
             self.submit(&sub, choice, io, Some(before), done, false);
         }
-        Ok(work.after(launch.finish(stream)?))
+        Ok(finish(launch, stream, &outcome, work))
     }
 
     /// Every rank's buffers of a direct IPC call, mapped here: `None` (on
@@ -735,41 +763,61 @@ fn staged_in(gate: Arc<dyn Event>, then: Option<Box<dyn FnOnce() -> Result<()> +
 }
 
 /// What a chunk's host job calls when done: its result goes back to the
-/// device `output` (if it has one) and into the call's outcome, which the
-/// `last` chunk completes.
+/// device `output` (if it has one) and into the call's outcome.
 fn staged_out(
     staging: &Arc<Staging>,
     layout: Layout,
     chunk: Chunk,
     output: usize,
     outcome: &Arc<Mutex<Outcome>>,
-    last: bool,
 ) -> Box<dyn FnOnce(Result<()>) + Send> {
     let (staging, outcome) = (staging.clone(), outcome.clone());
     Box::new(move |result: Result<()>| {
         // SAFETY: the call's device output, valid until its Work completes,
         // which waits for this copy.
         let out = unsafe { staging.stage_out(&layout, &chunk, output as *mut u8, result.is_ok()) };
-        let mut o = outcome.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = result.and(out) {
-            o.error.get_or_insert(e);
-        }
-        if last {
-            if let Some(c) = o.completer.take() {
-                c.complete(o.error.take().map_or(Ok(()), Err));
-            }
-        }
+        Outcome::report(&outcome, result.and(out));
     })
 }
 
 impl Outcome {
-    /// A call's `Work`, and the outcome its chunks report to.
-    fn new() -> (Work<()>, Arc<Mutex<Outcome>>) {
+    /// A call's `Work`, and the outcome its `chunks` chunks and its launch
+    /// report to: it completes when all have.
+    fn new(chunks: usize) -> (Work<()>, Arc<Mutex<Outcome>>) {
         let (work, completer) = work_pair::<()>();
         let outcome = Outcome {
+            left: chunks + 1,
             error: None,
             completer: Some(completer),
         };
         (work, Arc::new(Mutex::new(outcome)))
     }
+
+    /// One part's result; the last part completes the call.
+    fn report(outcome: &Mutex<Outcome>, result: Result<()>) {
+        let mut o = outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = result {
+            o.error.get_or_insert(e);
+        }
+        o.left = o.left.saturating_sub(1);
+        if o.left == 0 {
+            if let Some(c) = o.completer.take() {
+                c.complete(o.error.take().map_or(Ok(()), Err));
+            }
+        }
+    }
+}
+
+/// Ends a staged call's launch: the caller's stream waits for its last
+/// chunk, and the launch reports to the outcome (a failure to make the
+/// stream wait fails the call, once its chunks are done with the memory).
+fn finish(
+    launch: Launch<'_>,
+    stream: &Stream,
+    outcome: &Mutex<Outcome>,
+    work: Work<()>,
+) -> Work<()> {
+    let (staged, gated) = launch.finish(stream);
+    Outcome::report(outcome, gated);
+    work.after(staged)
 }

@@ -26,6 +26,9 @@ use crate::{
 
 /// A communicator as C holds it.
 pub(crate) struct CommState {
+    /// Its device calls that returned before they completed: declared
+    /// first, so that they are waited for before the communicator goes.
+    pub device: Mutex<crate::device::DeviceCalls>,
     pub comm: Communicator,
     /// A thread is in a call on it (calls from two threads at once are an error).
     busy: AtomicBool,
@@ -33,8 +36,6 @@ pub(crate) struct CommState {
     pub last_error: Mutex<std::ffi::CString>,
     /// The scalars of its pre-multiplied-sum ops (`None`: destroyed).
     premul: Mutex<Vec<Option<f64>>>,
-    /// Its device calls that returned before they completed.
-    pub device: Mutex<crate::device::DeviceCalls>,
 }
 
 static COMMS: Table<CommState> = Table::new();
@@ -56,11 +57,11 @@ impl Drop for InUse<'_> {
 impl CommState {
     fn new(comm: Communicator) -> CommState {
         CommState {
+            device: Mutex::default(),
             comm,
             busy: AtomicBool::new(false),
             last_error: Mutex::new(Default::default()),
             premul: Mutex::new(Vec::new()),
-            device: Mutex::default(),
         }
     }
 

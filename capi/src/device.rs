@@ -12,11 +12,11 @@ use std::{
     collections::HashMap,
     ffi::c_void,
     sync::{Arc, Mutex, OnceLock},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl::{
-    cuda::{self, Gpu, RawStream, Stream},
+    cuda::{self, Gpu, GpuEvent, RawStream, Stream},
     Error, MemoryKind, Result, Scratch, Work,
 };
 
@@ -71,7 +71,7 @@ pub(crate) fn place(
 ) -> Result<Place> {
     let used = || buffers.iter().filter(|(p, len)| *len > 0 && !p.is_null());
     if stream.is_null() {
-        // A thread that never touched CUDA (nor ccl's GPU calls) holds no
+        // A process that never touched CUDA (nor ccl's GPU calls) holds no
         // device memory: no context is made for it.
         if !cuda::gpu_in_use() {
             return Ok(Place::Host);
@@ -157,10 +157,11 @@ impl CommState {
 
 impl Drop for DeviceCalls {
     /// A communicator going away first lets its device calls finish (their
-    /// memory and streams are its), each within a deadline.
+    /// memory and streams are its), within one deadline for all.
     fn drop(&mut self) {
+        let until = Instant::now() + Duration::from_secs(300);
         for mut work in self.running.drain(..) {
-            let _ = work.wait_timeout(Duration::from_secs(300));
+            let _ = work.wait_timeout(until.saturating_duration_since(Instant::now()));
         }
     }
 }
@@ -246,7 +247,8 @@ pub(crate) struct GroupedTransfer {
 }
 
 /// Queues a group's device transfers: those of one communicator on one
-/// stream together (none waits for another, as in an NCCL group); the
+/// stream together, and every batch on a stream after one event recorded
+/// there first (none waits for another, as in an NCCL group); the
 /// handles of their works, in order.
 pub(crate) fn launch_transfers(
     transfers: Vec<GroupedTransfer>,
@@ -263,6 +265,15 @@ pub(crate) fn launch_transfers(
         }
         batches.entry(key).or_default().push(t);
     }
+    // One start per stream, recorded before any batch's wait is queued there.
+    let mut starts: HashMap<(u32, RawStream), Result<GpuEvent>> = HashMap::new();
+    for batch in batches.values() {
+        let Some(stream) = batch.first().and_then(|t| t.place.stream()) else {
+            continue;
+        };
+        let key = (stream.gpu().ordinal(), stream.raw());
+        starts.entry(key).or_insert_with(|| stream.record());
+    }
     let mut works = Vec::new();
     for key in order {
         let batch = batches.remove(&key).unwrap_or_default();
@@ -272,6 +283,15 @@ pub(crate) fn launch_transfers(
             continue;
         };
         let kind = first.place.kind();
+        let start = match &starts[&(stream.gpu().ordinal(), stream.raw())] {
+            Ok(start) => start,
+            Err(e) => {
+                for _ in &batch {
+                    works.push((comm, state.clone(), Work::ready(Err(e.clone()))));
+                }
+                continue;
+            }
+        };
         let list = batch
             .iter()
             .map(|t| {
@@ -292,7 +312,7 @@ pub(crate) fn launch_transfers(
             })
             .collect();
         // SAFETY: as above.
-        for work in unsafe { state.comm.launch_transfers_on_stream(list, &stream) } {
+        for work in unsafe { state.comm.launch_transfers_after(list, start, &stream) } {
             works.push((comm, state.clone(), work));
         }
     }

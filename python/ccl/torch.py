@@ -79,6 +79,14 @@ def _on(t: torch.Tensor) -> dict:
     return {}
 
 
+def _settled(t: torch.Tensor) -> None:
+    """After copies out of a staging tensor like `t` (on whichever thread
+    completes the work): on a GPU, waits for them, so that the work's
+    future and `wait` mean the outputs are written."""
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+
+
 def _one(tensors: List[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise NotImplementedError(
@@ -266,6 +274,7 @@ class CclBackend(_C10dBackend):
         def finish():
             for out, block in zip(outputs, staging):
                 out.copy_(block)
+            _settled(staging)
 
         return self._work([work], output_lists, finish)
 
@@ -343,6 +352,7 @@ class CclBackend(_C10dBackend):
         def finish():
             for out, block in zip(outputs, staging_out.chunk(len(outputs))):
                 out.copy_(block.view_as(out))
+            _settled(staging_out)
 
         return self._work([work], outputs, finish)
 
@@ -359,6 +369,7 @@ class CclBackend(_C10dBackend):
         def finish():
             for out, block in zip(outputs, staging):
                 out.copy_(block)
+            _settled(staging)
 
         return self._work([work], output_lists, finish)
 

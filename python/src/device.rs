@@ -149,15 +149,14 @@ unsafe extern "C" fn delete_managed(m: *mut ManagedTensor) {
 }
 
 /// A capsule nobody consumed (still named "dltensor") frees its tensor.
+/// A consumer that took it renamed it ("used_dltensor") and owns the tensor.
+/// `PyCapsule_IsValid` sets no exception, so one in flight is kept.
 unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
     if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
         let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<ManagedTensor>();
         if !m.is_null() {
             delete_managed(m);
         }
-    } else {
-        // A consumer renamed it ("used_dltensor") and owns the tensor now.
-        ffi::PyErr_Clear();
     }
 }
 

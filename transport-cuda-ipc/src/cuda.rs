@@ -56,16 +56,32 @@ pub(crate) fn load() -> Result<()> {
         .clone()
 }
 
-/// Whether the calling thread has a current CUDA context (false without a
-/// driver).
-pub(crate) fn context_current() -> bool {
+/// Whether this process uses CUDA: the calling thread has a current
+/// context, or some device's primary context is active (the CUDA runtime
+/// makes one at its first call, on whichever thread). Makes no context;
+/// false without a driver.
+pub(crate) fn in_use() -> bool {
     if load().is_err() {
         return false;
     }
     let mut current: cu::CUcontext = ptr::null_mut();
-    // SAFETY: out-parameter.
-    let r = unsafe { cu::cuCtxGetCurrent(&mut current) };
-    r == CUresult::CUDA_SUCCESS && !current.is_null()
+    // SAFETY: out-parameters throughout.
+    unsafe {
+        if cu::cuCtxGetCurrent(&mut current) == CUresult::CUDA_SUCCESS && !current.is_null() {
+            return true;
+        }
+        let mut count: c_int = 0;
+        if cu::cuDeviceGetCount(&mut count) != CUresult::CUDA_SUCCESS {
+            return false;
+        }
+        (0..count).any(|ordinal| {
+            let (mut device, mut flags, mut active): (cu::CUdevice, c_uint, c_int) = (0, 0, 0);
+            cu::cuDeviceGet(&mut device, ordinal) == CUresult::CUDA_SUCCESS
+                && cu::cuDevicePrimaryCtxGetState(device, &mut flags, &mut active)
+                    == CUresult::CUDA_SUCCESS
+                && active != 0
+        })
+    }
 }
 
 /// The device of the calling thread's current CUDA context (which the CUDA

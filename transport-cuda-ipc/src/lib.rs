@@ -41,15 +41,16 @@ pub fn stand_in_requested() -> bool {
 /// The GPUs opened in this process.
 static OPEN: Mutex<BTreeMap<u32, Arc<dyn Gpu>>> = Mutex::new(BTreeMap::new());
 
-/// Whether this thread may hold GPU memory: with the stand-in, once this
-/// process opened a GPU, or where the thread has a current CUDA context
-/// (the CUDA runtime makes one at its first call). A program that never
-/// touched CUDA gets false without a context being made for it.
+/// Whether this process may hold GPU memory: with the stand-in, once ccl
+/// opened a GPU here, or where CUDA is in use (a current context on this
+/// thread, or an active primary context: the CUDA runtime makes one at its
+/// first call). A program that never touched CUDA gets false without a
+/// context being made for it.
 pub fn gpu_in_use() -> bool {
     if stand_in_requested() || !OPEN.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
         return true;
     }
-    cuda::context_current()
+    cuda::in_use()
 }
 
 /// GPU `ordinal`: the CUDA device, or the host stand-in when

@@ -91,6 +91,7 @@ impl Span {
 
 /// A chunk staged in: its collective's host buffers and the event after
 /// which they hold the input.
+#[derive(Clone)]
 pub struct Chunk {
     /// Its number among all chunks of the communicator.
     id: u32,
@@ -99,6 +100,11 @@ pub struct Chunk {
     slot: usize,
     /// The copy-in stream passed the chunk's copies (or what failed).
     pub gate: Arc<dyn Event>,
+    /// That event on the GPU, where the copies were queued: the chunk is
+    /// counted as done only after it, even when its collective failed
+    /// before, so that the caller's stream is never released while a copy
+    /// still reads the caller's memory.
+    copied: Option<Arc<GpuEvent>>,
 }
 
 impl Chunk {
@@ -264,7 +270,11 @@ impl Staging {
         ok: bool,
     ) -> Result<()> {
         let slot = &self.slots[chunk.slot];
-        let copied = if ok {
+        let staged_in = match &chunk.copied {
+            Some(event) => self.copy_out.wait(event),
+            None => Ok(()),
+        };
+        let copied = if ok && staged_in.is_ok() {
             pieces(layout, &chunk.span, layout.blocks_out).try_for_each(|(dev, host, len)| {
                 self.gpu.copy(
                     self.copy_out.raw(),
@@ -281,7 +291,7 @@ impl Staging {
             self.done.device_address(0),
             chunk.id.wrapping_add(1),
         );
-        copied.and(counted)
+        staged_in.and(copied).and(counted)
     }
 }
 
@@ -317,6 +327,7 @@ impl Launch<'_> {
             span: layout.chunk(k),
             slot,
             gate: Arc::new(Failed(Error::Internal("chunk not staged".into()))),
+            copied: None,
         };
         let (gpu, stream) = (&staging.gpu, staging.copy_in.raw());
         let staged = (|| {
@@ -331,10 +342,14 @@ impl Launch<'_> {
             }
             staging.copy_in.record()
         })();
-        chunk.gate = match staged {
-            Ok(event) => Arc::new(event),
-            Err(e) => Arc::new(Failed(e)),
-        };
+        match staged {
+            Ok(event) => {
+                let event = Arc::new(event);
+                chunk.gate = event.clone();
+                chunk.copied = Some(event);
+            }
+            Err(e) => chunk.gate = Arc::new(Failed(e)),
+        }
         chunk
     }
 
@@ -365,16 +380,18 @@ impl Launch<'_> {
     }
 
     /// Ends the call's staging: `user` waits (on the GPU) until its last
-    /// chunk is back on the device; the event returned happens then too.
-    pub fn finish(self, user: &Stream) -> Result<Arc<dyn Event>> {
+    /// chunk is back on the device (or why it cannot); the event returned
+    /// happens then, either way.
+    pub fn finish(self, user: &Stream) -> (Arc<dyn Event>, Result<()>) {
         let value = (*self.next) as u32;
         let staging = self.staging;
-        staging
+        let gated = staging
             .gpu
-            .wait_word(user.raw(), staging.done.device_address(0), value)?;
-        Ok(Arc::new(StagedOut {
+            .wait_word(user.raw(), staging.done.device_address(0), value);
+        let staged = Arc::new(StagedOut {
             done: staging.done.clone(),
             value,
-        }))
+        });
+        (staged, gated)
     }
 }
