@@ -22,7 +22,10 @@ mod stand_in;
 
 use std::{
     collections::BTreeMap,
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
 };
 
 /// The cudarc this crate is built on, for callers that hold its slices and
@@ -47,10 +50,18 @@ static OPEN: Mutex<BTreeMap<u32, Arc<dyn Gpu>>> = Mutex::new(BTreeMap::new());
 /// first call). A program that never touched CUDA gets false without a
 /// context being made for it.
 pub fn gpu_in_use() -> bool {
-    if stand_in_requested() || !OPEN.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+    // Once in use, always: later calls (host calls from C ask on each) skip the driver.
+    static SEEN: AtomicBool = AtomicBool::new(false);
+    if SEEN.load(Ordering::Relaxed) {
         return true;
     }
-    cuda::in_use()
+    let in_use = stand_in_requested()
+        || !OPEN.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        || cuda::in_use();
+    if in_use {
+        SEEN.store(true, Ordering::Relaxed);
+    }
+    in_use
 }
 
 /// GPU `ordinal`: the CUDA device, or the host stand-in when
