@@ -169,9 +169,10 @@ fn a_lost_peer_is_named_by_every_survivor() {
         assert_eq!(o.code, Some(0), "survivor {}: {}", o.rank, o.text());
         assert!(
             o.stdout.contains(&format!("lost rank {victim}")),
-            "survivor {} does not name rank {victim}: {}",
+            "survivor {} does not name rank {victim}: {}\nevery rank:\n{}",
             o.rank,
-            o.text()
+            o.text(),
+            out.iter().map(|o| o.text()).collect::<Vec<_>>().join("\n")
         );
         assert!(o.elapsed < Duration::from_secs(30), "{:?}", o.elapsed);
     }

@@ -191,6 +191,9 @@ pub struct Peer<V: Verbs> {
     completions: Vec<Completion>,
     last_probe: Instant,
     error: Option<Error>,
+    /// Whether `error` came only from this side cancelling a receive: the
+    /// queue pair still works, so an abort notice can still be sent.
+    cancelled: bool,
 }
 
 /// A send in progress (see [`Peer::poll_send`]).
@@ -320,6 +323,7 @@ impl<V: Verbs> Peer<V> {
             completions: Vec::new(),
             last_probe: Instant::now(),
             error: None,
+            cancelled: false,
         })
     }
 
@@ -445,13 +449,28 @@ impl<V: Verbs> Peer<V> {
         self.qp.poll(&mut done);
         let mut result = Ok(());
         for c in done.drain(..) {
-            if let Err(e) = self.complete(c) {
-                result = Err(self.fail(e));
-                break;
+            match (&result, c) {
+                (Ok(()), c) => result = self.complete(c),
+                // Once a write has failed, messages that arrived in the same
+                // batch still count: an abort notice among them names the
+                // rank that failed first, which a survivor should report
+                // rather than the neighbour that left after it.
+                (Err(_), c @ Completion::Recv { imm, .. }) => {
+                    let abort = imm >> 28 == ABORT;
+                    if let Err(e) = self.complete(c) {
+                        if abort {
+                            result = Err(e);
+                        }
+                        break;
+                    }
+                }
+                (Err(_), Completion::Write { .. }) => {}
             }
         }
         self.completions = done;
-        result?;
+        if let Err(e) = result {
+            return Err(self.fail(e));
+        }
         if self.to_return >= (self.cfg.slots / 2).max(1) {
             self.post_bare(CREDIT)?;
         }
@@ -803,6 +822,9 @@ impl<V: Verbs> Peer<V> {
             drop(cache);
             let e =
                 self.lost("a receive from it was cancelled after its buffer was offered".into());
+            if self.error.is_none() {
+                self.cancelled = true;
+            }
             self.fail(e);
         }
         op.state = RecvState::Done;
@@ -860,7 +882,10 @@ impl<V: Verbs> Peer<V> {
     /// Tells the peer that this side gives up, best effort, and fails the
     /// pair for later operations.
     pub fn abort(&mut self, notice: &AbortNotice) {
-        if self.error.is_none() {
+        // A pair failed only by this side's cancelled receive still reaches
+        // the peer, which must learn why (the rank that failed first).
+        if self.error.is_none() || self.cancelled {
+            self.cancelled = false;
             let mut bytes = notice.encode();
             bytes.truncate(self.cfg.slot_bytes);
             let _ = self.progress();

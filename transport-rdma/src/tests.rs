@@ -450,6 +450,47 @@ fn an_abort_notice_reaches_the_peer() {
     assert!(e.to_string().contains("out of patience"), "{e}");
 }
 
+/// A rank that gives up a receive after offering its buffer (its call
+/// failed on another link) still tells the sender why: the notice names the
+/// rank that failed first, not the messenger.
+#[test]
+fn an_abort_notice_follows_a_cancelled_receive() {
+    let fabric = Fabric::new();
+    let (mut a, mut b) = pair(&fabric, small(), Default::default());
+    let data = vec![3u8; 50_000];
+    let mut send = SendOp::new(header(0, data.len()), &data);
+    let mut into = vec![0u8; data.len()];
+    let mut recv = RecvOp::new(header(0, data.len()), &mut into);
+    a.progress().unwrap();
+    assert!(!a.poll_send(&mut send).unwrap());
+    for _ in 0..100 {
+        b.progress().unwrap();
+        assert!(!b.poll_recv(&mut recv, &mut |_| Ok(())).unwrap());
+    }
+    b.cancel_recv(&mut recv);
+    assert!(
+        b.failed().is_some(),
+        "the receiver never offered its buffer"
+    );
+    b.abort(&AbortNotice {
+        failed_rank: 5,
+        reason: "rank 5 vanished".into(),
+    });
+    let e = first_error(1000, || a.progress().and_then(|()| a.poll_send(&mut send)));
+    assert!(
+        matches!(
+            e,
+            Error::PeerLost {
+                rank: 0,
+                peer: 5,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("rank 5 vanished"), "{e}");
+}
+
 #[test]
 fn the_registration_cache_hits_evicts_and_invalidates() {
     let fabric = Fabric::new();
