@@ -46,6 +46,11 @@ if ldd ./allreduce-static | grep -q libcclrs; then
   echo "allreduce-static links libcclrs dynamically" >&2
   exit 1
 fi
+# The default build runs where libibverbs is not installed.
+if ldd "$prefix/lib/libcclrs.so.0" | grep -q libibverbs; then
+  echo "the default libcclrs links libibverbs (the RDMA glue belongs behind its feature)" >&2
+  exit 1
+fi
 
 run="timeout --kill-after=10 120 $prefix/bin/ccl-run"
 step "the README's program, 2 ranks"

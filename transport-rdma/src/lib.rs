@@ -7,17 +7,19 @@
 //! small [`Verbs`] trait; a link ([`link`]) that drives it from the
 //! engine's futures; the set-up exchange through the authenticated store
 //! ([`setup`]); a registration cache ([`regcache`]). Two things implement
-//! [`Verbs`]: the glue to a real NIC (*planned*: on the `ibverbs`
-//! crate's raw bindings, behind a feature `ibverbs`, since the crate's safe
-//! API registers no user memory and posts no RDMA writes), and [`sim`], a simulated fabric between processes of
-//! one host, which is a test double for hardware this project does not
-//! have, chosen only by `CCL_RDMA_SIM`.
+//! [`Verbs`]: the glue to a real NIC (`ibv`, on the `ibverbs` crate's raw
+//! bindings, behind the feature `ibverbs` since it links libibverbs), and
+//! [`sim`], a simulated fabric between processes of one host, which is a
+//! test double for hardware this project does not have, chosen only by
+//! `CCL_RDMA_SIM`.
 //!
 //! Selection follows NCCL: the transport comes after shared memory and
 //! before TCP, so pairs on different hosts use RDMA when a device is
 //! present and usable and TCP otherwise. `CCL_TRANSPORT=rdma` forces it; on
 //! a machine without a device that fails with "no RDMA device" and what was
-//! checked. `CCL_RDMA_DEVICE` picks a device.
+//! checked. `CCL_RDMA_DEVICE` picks a device (`name` or `name:port`),
+//! `CCL_RDMA_GID_INDEX` the GID of a RoCE port. A build without the
+//! `ibverbs` feature finds devices but reports them unusable, saying why.
 //!
 //! GPU memory (GPUDirect RDMA) plugs in at [`Verbs::register`]: a device
 //! buffer registered through `nvidia-peermem` (or a dma-buf) gives a key
@@ -26,6 +28,8 @@
 //! memory only (the link refuses other memory with `Unsupported`).
 
 mod counters;
+#[cfg(feature = "ibverbs")]
+pub mod ibv;
 mod link;
 pub mod proto;
 pub mod regcache;
@@ -76,8 +80,12 @@ pub const SYSFS_DEVICES: &str = "/sys/class/infiniband";
 pub struct RdmaOptions {
     /// Eager ring sizes (`CCL_RDMA_SLOTS`, `CCL_RDMA_SLOT_BYTES`).
     pub ring: RingConfig,
-    /// The device to use (`CCL_RDMA_DEVICE`); the first one otherwise.
+    /// The device to use (`CCL_RDMA_DEVICE`, `name` or `name:port`); the
+    /// first one otherwise.
     pub device: Option<String>,
+    /// The GID index of a RoCE port (`CCL_RDMA_GID_INDEX`); else a RoCE v2
+    /// GID with an IPv4 address, as NCCL picks.
+    pub gid_index: Option<u32>,
     /// The simulated fabric's directory (`CCL_RDMA_SIM`, tests only) and its faults
     /// (`CCL_RDMA_SIM_FAULTS`).
     pub sim: Option<(PathBuf, Faults)>,
@@ -103,6 +111,10 @@ impl RdmaOptions {
                 keepalive: d.keepalive,
             },
             device: config.knob("CCL_RDMA_DEVICE").map(str::to_string),
+            gid_index: match config.knob("CCL_RDMA_GID_INDEX") {
+                Some(_) => Some(config.knob_number("CCL_RDMA_GID_INDEX", 0, 0..=255)? as u32),
+                None => None,
+            },
             sim: config
                 .knob("CCL_RDMA_SIM")
                 .map(|dir| (PathBuf::from(dir), faults)),
@@ -116,6 +128,9 @@ impl RdmaOptions {
 enum Backend {
     /// The simulated fabric (tests).
     Sim(Arc<SimNic>),
+    /// A NIC through libibverbs.
+    #[cfg(feature = "ibverbs")]
+    Device(Arc<ibv::IbvNic>),
     /// No usable device, and why (what was checked).
     Missing(String),
 }
@@ -131,6 +146,8 @@ impl std::fmt::Debug for RdmaTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.backend {
             Backend::Sim(nic) => write!(f, "RdmaTransport({})", nic.name()),
+            #[cfg(feature = "ibverbs")]
+            Backend::Device(nic) => write!(f, "RdmaTransport({})", nic.name()),
             Backend::Missing(why) => write!(f, "RdmaTransport(unavailable: {why})"),
         }
     }
@@ -144,15 +161,13 @@ impl RdmaTransport {
             Some((dir, faults)) => {
                 Backend::Sim(Arc::new(SimNic::open(dir, *faults).map_err(Error::Config)?))
             }
-            None => Backend::Missing(
-                match probe(Path::new(SYSFS_DEVICES), options.device.as_deref()) {
-                    Ok(device) => format!(
-                        "found RDMA device {device}, but ccl has no ibverbs glue yet \
-                     (only the simulated fabric, CCL_RDMA_SIM, implements its verbs)"
-                    ),
-                    Err(checked) => checked,
-                },
-            ),
+            None => {
+                let wanted = options.device.as_deref();
+                match probe(Path::new(SYSFS_DEVICES), wanted) {
+                    Ok(device) => open_device(&device, wanted, options.gid_index),
+                    Err(checked) => Backend::Missing(checked),
+                }
+            }
         };
         Ok(RdmaTransport { options, backend })
     }
@@ -166,9 +181,29 @@ impl RdmaTransport {
     pub fn device(&self) -> std::result::Result<String, String> {
         match &self.backend {
             Backend::Sim(nic) => Ok(nic.name()),
+            #[cfg(feature = "ibverbs")]
+            Backend::Device(nic) => Ok(nic.name()),
             Backend::Missing(why) => Err(why.clone()),
         }
     }
+}
+
+/// The backend for `device`, which [`probe`] found (`wanted` may add a port).
+#[cfg(feature = "ibverbs")]
+fn open_device(device: &str, wanted: Option<&str>, gid_index: Option<u32>) -> Backend {
+    match ibv::IbvNic::open(Some(wanted.unwrap_or(device)), gid_index) {
+        Ok(nic) => Backend::Device(Arc::new(nic)),
+        Err(why) => Backend::Missing(why),
+    }
+}
+
+/// Without the glue, a device found is reported unusable, saying why.
+#[cfg(not(feature = "ibverbs"))]
+fn open_device(device: &str, _: Option<&str>, _: Option<u32>) -> Backend {
+    Backend::Missing(format!(
+        "found RDMA device {device}, but this build of ccl has no ibverbs glue \
+         (rebuild with the cargo feature `ibverbs`)"
+    ))
 }
 
 /// Directories searched for `libibverbs.so.1`.
@@ -185,6 +220,8 @@ const LIB_DIRS: &[&str] = &[
 /// one exists and libibverbs is installed; else "no RDMA device" and what
 /// was checked.
 pub fn probe(sysfs: &Path, wanted: Option<&str>) -> std::result::Result<String, String> {
+    // `name:port` names a device by its name.
+    let wanted = wanted.map(|w| w.split_once(':').map_or(w, |(name, _)| name));
     let mut checked = Vec::new();
     let devices: Vec<String> = match std::fs::read_dir(sysfs) {
         Ok(entries) => {
@@ -246,6 +283,8 @@ impl Transport for RdmaTransport {
     fn prepare(&self, setup: &Setup) -> Result<Box<dyn Connector>> {
         let status = match &self.backend {
             Backend::Sim(_) => "ok".to_string(),
+            #[cfg(feature = "ibverbs")]
+            Backend::Device(_) => "ok".to_string(),
             Backend::Missing(why) if self.options.forced => {
                 return Err(Error::Config(format!(
                     "CCL_TRANSPORT=rdma, but rank {} cannot use it: {why}",
@@ -279,6 +318,10 @@ impl Connector for RdmaConnector {
         Box::pin(async move {
             match &self.transport.backend {
                 Backend::Sim(nic) => {
+                    connect(&self.setup, &self.transport.options, nic, peers, spin)
+                }
+                #[cfg(feature = "ibverbs")]
+                Backend::Device(nic) => {
                     connect(&self.setup, &self.transport.options, nic, peers, spin)
                 }
                 Backend::Missing(why) => Ok(peers.iter().map(|_| Err(why.clone())).collect()),
