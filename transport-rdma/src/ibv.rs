@@ -341,6 +341,11 @@ impl Verbs for IbvNic {
         }
     }
 
+    /// Registrations pin pages (on-demand paging is not asked for yet).
+    fn follows_remaps(&self) -> bool {
+        false
+    }
+
     fn queue_pair(&self) -> Result<IbvQp, String> {
         IbvQp::new(self.device.clone()).map_err(|e| format!("RDMA device {}: {e}", self.name))
     }

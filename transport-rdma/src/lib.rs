@@ -346,7 +346,14 @@ fn connect<V: Verbs>(
 ) -> Result<Vec<PairResult>> {
     let (rank, store, cfg) = (setup.rank, &setup.store, options.ring);
     let secret = setup.secret.as_ref();
-    let cache = Arc::new(Mutex::new(RegCache::new(CACHE_ENTRIES)));
+    // User buffers keep their registrations across calls only where a
+    // registration follows the address space (see `Verbs::follows_remaps`).
+    let keep = if verbs.follows_remaps() {
+        CACHE_ENTRIES
+    } else {
+        0
+    };
+    let cache = Arc::new(Mutex::new(RegCache::new(keep)));
     // Publish this side of every pair whose peer can use RDMA.
     let mut halves: Vec<std::result::Result<Half<V>, String>> = Vec::new();
     for &p in peers {

@@ -8,9 +8,11 @@
 //! `capacity` are kept. A buffer that is freed must not keep its
 //! registration (its addresses may come back mapped to other pages): the
 //! owner of memory that goes away calls [`RegCache::invalidate`] (the
-//! links do for their own scratch memory and for a receive cancelled after
-//! its buffer was advertised), and the communicator's close drops them all
-//! ([`RegCache::clear`]).
+//! links do for a receive cancelled after its buffer was advertised), and
+//! the communicator's close drops them all ([`RegCache::clear`]). ccl
+//! cannot see a user's `free`, so where a registration pins its pages (see
+//! [`Verbs::follows_remaps`]) the cache keeps none unused (capacity 0): a
+//! registration then lasts as long as the operations that hold it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -45,11 +47,12 @@ pub struct RegCache {
 pub static REGISTRATIONS: AtomicU64 = AtomicU64::new(0);
 
 impl RegCache {
-    /// An empty cache keeping at most `capacity` unused registrations.
+    /// An empty cache keeping at most `capacity` unused registrations (0:
+    /// each goes once no operation holds it).
     pub fn new(capacity: usize) -> RegCache {
         RegCache {
             entries: Vec::new(),
-            capacity: capacity.max(1),
+            capacity,
             tick: 0,
             stats: CacheStats::default(),
         }

@@ -265,6 +265,11 @@ impl Verbs for SimNic {
         }
     }
 
+    /// Writes land wherever the address maps now, as with on-demand paging.
+    fn follows_remaps(&self) -> bool {
+        true
+    }
+
     fn queue_pair(&self) -> Result<SimQp, String> {
         let qpn = NEXT_QPN.fetch_add(1, Ordering::Relaxed);
         let path = self.0.dir.join(format!("qp-{}-{qpn}", std::process::id()));

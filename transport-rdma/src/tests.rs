@@ -524,3 +524,27 @@ fn the_registration_cache_hits_evicts_and_invalidates() {
     cache.clear(&nic);
     assert!(cache.is_empty());
 }
+
+/// Where registrations pin pages, a user buffer's registration lasts only
+/// while operations hold it: a buffer freed between calls is never reached
+/// through a stale key.
+#[test]
+fn a_cache_without_room_keeps_registrations_only_while_held() {
+    let fabric = Fabric::new();
+    let nic = SimNic::open(&fabric.0, Faults::default()).unwrap();
+    let mut cache = RegCache::new(0);
+    let buf = vec![0u8; 8192];
+    let addr = buf.as_ptr() as u64;
+    let a = cache.acquire(&nic, addr, 8192).unwrap();
+    // A second operation on the same buffer while the first holds it shares it.
+    let b = cache.acquire(&nic, addr, 4096).unwrap();
+    assert_eq!(a, b);
+    cache.release(&nic, &a);
+    assert_eq!(cache.len(), 1);
+    cache.release(&nic, &b);
+    assert!(cache.is_empty(), "an unused registration was kept");
+    let c = cache.acquire(&nic, addr, 8192).unwrap();
+    assert_ne!(c.rkey, a.rkey, "the next call registers anew");
+    assert_eq!((cache.stats().hits, cache.stats().misses), (1, 2));
+    cache.release(&nic, &c);
+}

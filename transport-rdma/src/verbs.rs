@@ -115,6 +115,13 @@ pub trait Verbs: Send + Sync + 'static {
 
     /// A new queue pair, not yet connected.
     fn queue_pair(&self) -> Result<Self::Qp, String>;
+
+    /// Whether a registration follows the process's address space (on-demand
+    /// paging): memory freed and mapped again at the same addresses is
+    /// reached through the old key. Where it does not (a pinned
+    /// registration keeps the old pages), registrations of user buffers
+    /// must not outlive the operation, since ccl cannot see a user's `free`.
+    fn follows_remaps(&self) -> bool;
 }
 
 /// One RC queue pair and its completion queue.
