@@ -27,9 +27,15 @@
 //!   NIC with a remote access error.
 //! * **A clock** ([`modelled_ns`]): every write is stamped with when it
 //!   would arrive on a modelled link of [`LINE_BYTES_PER_NS`] (100 Gbit/s)
-//!   and [`LATENCY_NS`] (2 µs) latency, each process's sends sharing one
-//!   port; taking a completion moves the process's clock to at least its
-//!   stamp. Computation and copies in memory cost nothing in the model.
+//!   and [`LATENCY_NS`] (2 µs) latency, each queue pair's sends sharing one
+//!   port. A completion is handed out only once the process's clock has
+//!   reached its stamp (each queue in order); when every queue the process
+//!   polls has nothing due, the clock moves on to the earliest event it
+//!   holds. Computation and copies in memory cost nothing in the model.
+//!   The processes' clocks are not synchronised: a peer that posts a write
+//!   later in real time than its modelled time may find the receiver's
+//!   clock already past it, which makes the model pessimistic, never
+//!   faster than the line.
 
 use std::{
     collections::VecDeque,
@@ -54,6 +60,8 @@ use crate::verbs::{Completion, Endpoint, QueuePair, Region, Status, Verbs, Write
 pub const LINE_BYTES_PER_NS: f64 = 12.5;
 /// Modelled one-way latency.
 pub const LATENCY_NS: u64 = 2_000;
+/// Modelled time until a write to a peer that stopped answering fails.
+pub const RETRY_TIMEOUT_NS: u64 = 470_000_000;
 
 const REGIONS: usize = 4096;
 const CQ_LEN: usize = 16384;
@@ -66,6 +74,12 @@ const CLOSED: usize = 4;
 
 /// This process's modelled clock, in nanoseconds.
 static CLOCK: AtomicU64 = AtomicU64::new(0);
+/// Polls in a row that found nothing due, and the earliest event they saw.
+static IDLE_POLLS: AtomicU32 = AtomicU32::new(0);
+static NEXT_EVENT: AtomicU64 = AtomicU64::new(u64::MAX);
+/// Empty polls after which the clock moves to the earliest event held (the
+/// process has nothing due on any queue it waits on).
+const IDLE_POLLS_BEFORE_JUMP: u32 = 8;
 static NEXT_QPN: AtomicU32 = AtomicU32::new(1);
 
 /// The modelled time of this process (see the module docs).
@@ -333,8 +347,22 @@ impl SimQp {
         (done + LATENCY_NS, done + 2 * LATENCY_NS)
     }
 
-    /// Carries out a write; its status.
+    /// Carries out a write; its status and when the writer learns it (a
+    /// failure too is known only after a round trip).
     fn execute(&mut self, w: &Write) -> (Status, u64) {
+        let (status, stamp) = self.attempt(w);
+        let now = CLOCK.load(Ordering::Relaxed);
+        match status {
+            Status::Success => (status, stamp),
+            // A NIC gives up on a peer that stopped answering only after its
+            // retries (the glue sets 7 of about 67 ms each).
+            Status::RetryExceeded => (status, now + RETRY_TIMEOUT_NS),
+            _ => (status, now + 2 * LATENCY_NS),
+        }
+    }
+
+    /// Carries out a write; its status and, on success, its modelled acknowledgement.
+    fn attempt(&mut self, w: &Write) -> (Status, u64) {
         let Some(remote) = self.remote.as_ref() else {
             return (Status::Other("queue pair is not connected".into()), 0);
         };
@@ -487,12 +515,50 @@ impl QueuePair for SimQp {
         let delay = self.nic.faults.delay;
         self.held
             .extend(fresh.into_iter().map(|(c, s)| (c, s, delay)));
-        let ready = self.held.iter().take_while(|h| h.2 == 0).count();
-        let mut out_now: Vec<(Completion, u64)> =
-            self.held.drain(..ready).map(|(c, s, _)| (c, s)).collect();
-        for h in &mut self.held {
-            h.2 -= 1;
+        // What the modelled clock has reached, each queue in order.
+        let now = CLOCK.load(Ordering::Relaxed);
+        let mut out_now: Vec<(Completion, u64)> = Vec::new();
+        let mut kept = VecDeque::new();
+        let (mut writes_wait, mut recvs_wait) = (false, false);
+        for (c, stamp, polls) in self.held.drain(..) {
+            let wait = match c {
+                Completion::Write { .. } => &mut writes_wait,
+                Completion::Recv { .. } => &mut recvs_wait,
+            };
+            if !*wait && polls == 0 && stamp <= now {
+                out_now.push((c, stamp));
+            } else {
+                *wait = true;
+                kept.push_back((c, stamp, polls.saturating_sub(1)));
+            }
         }
+        self.held = kept;
+        if out_now.is_empty() {
+            // The next event of each queue, once its delay is over.
+            let first = |write: bool| {
+                self.held
+                    .iter()
+                    .find(|h| matches!(h.0, Completion::Write { .. }) == write)
+                    .filter(|h| h.2 == 0)
+                    .map(|h| h.1)
+            };
+            if let Some(next) = first(true).into_iter().chain(first(false)).min() {
+                NEXT_EVENT.fetch_min(next, Ordering::Relaxed);
+                if IDLE_POLLS.fetch_add(1, Ordering::Relaxed) + 1 >= IDLE_POLLS_BEFORE_JUMP {
+                    // Every queue this process polled had nothing due: its
+                    // clock moves on to the earliest event it holds.
+                    IDLE_POLLS.store(0, Ordering::Relaxed);
+                    CLOCK.fetch_max(
+                        NEXT_EVENT.swap(u64::MAX, Ordering::Relaxed),
+                        Ordering::Relaxed,
+                    );
+                    return self.poll(out);
+                }
+            }
+            return;
+        }
+        IDLE_POLLS.store(0, Ordering::Relaxed);
+        NEXT_EVENT.store(u64::MAX, Ordering::Relaxed);
         if self.nic.faults.reorder {
             let (mut writes, mut recvs): (VecDeque<_>, VecDeque<_>) = out_now
                 .drain(..)

@@ -349,7 +349,7 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
     };
     let mut out = Vec::new();
     q0.post_write(&write(1, 64, far.rkey)).unwrap();
-    q0.poll(&mut out);
+    poll_for(&mut q0, &mut out, 1);
     assert_eq!(
         out,
         [Completion::Write {
@@ -363,7 +363,7 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
     // The queue pair is in error after the first failure: later work is flushed.
     q0.post_write(&write(3, 64, far.rkey)).unwrap();
     out.clear();
-    q0.poll(&mut out);
+    poll_for(&mut q0, &mut out, 2);
     assert_eq!(
         out,
         [
@@ -382,7 +382,7 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
     q3.connect(&q2.endpoint()).unwrap();
     q2.post_write(&write(4, 64, far.rkey)).unwrap();
     out.clear();
-    q2.poll(&mut out);
+    poll_for(&mut q2, &mut out, 1);
     assert_eq!(
         out,
         [Completion::Write {
@@ -390,6 +390,17 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
             status: Status::RemoteAccess
         }]
     );
+}
+
+/// Polls `q` until `out` holds `n` completions (each is handed out once the
+/// modelled clock reaches it, which takes a few empty polls).
+fn poll_for<Q: QueuePair>(q: &mut Q, out: &mut Vec<Completion>, n: usize) {
+    for _ in 0..1000 {
+        if out.len() >= n {
+            return;
+        }
+        q.poll(out);
+    }
 }
 
 #[test]
