@@ -12,7 +12,7 @@
 
 use std::{
     sync::{Arc, Mutex},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use ccl_core::{
@@ -308,7 +308,14 @@ impl Communicator {
             let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome);
             self.submit_transfer(dtype, peer, send, host, Some(before), done);
         }
-        Ok(finish(launch, stream, &outcome, work))
+        let call = format!("{coll} with rank {peer} on rank {rank}");
+        Ok(finish(
+            launch,
+            stream,
+            &outcome,
+            work,
+            (self.timeout(), call),
+        ))
     }
 
     /// The collective `template` (count 0; its element type is `T`'s) in
@@ -570,7 +577,14 @@ impl Communicator {
             let choice = self.inner.selection.choice(&sub);
             self.submit(&sub, choice, io, Some(before), done, false);
         }
-        Ok(finish(launch, stream, &outcome, work))
+        let call = format!("{coll} on rank {rank}");
+        Ok(finish(
+            launch,
+            stream,
+            &outcome,
+            work,
+            (self.timeout(), call),
+        ))
     }
 
     /// Every rank's buffers of a direct IPC call, mapped here: `None` (on
@@ -816,8 +830,9 @@ fn finish(
     stream: &Stream,
     outcome: &Mutex<Outcome>,
     work: Work<()>,
+    (timeout, call): (Duration, String),
 ) -> Work<()> {
-    let (staged, gated) = launch.finish(stream);
+    let (staged, gated) = launch.finish(stream, timeout, call);
     Outcome::report(outcome, gated);
     work.after(staged)
 }

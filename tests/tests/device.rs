@@ -11,7 +11,7 @@ use std::{
         atomic::{AtomicU32, Ordering},
         Arc,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl::{
@@ -350,6 +350,51 @@ fn a_peer_missing_from_an_ipc_call_is_named_at_the_deadline() {
     );
     assert!(released, "the stream still waits for the missing peer");
     assert!(broken, "the communicator is still usable after the timeout");
+}
+
+/// A staged call whose stream never reaches it (the caller's earlier work
+/// does not end): waiting for it fails at the communicator's deadline,
+/// naming the call, instead of waiting forever.
+#[test]
+fn a_staged_call_behind_a_stuck_stream_times_out() {
+    let options = Options {
+        cuda_ipc: false,
+        ..Options::default()
+    };
+    let results = with_ranks(2, options, |comm| {
+        let gpu = stand_in();
+        let stream = Stream::new(gpu.clone()).unwrap();
+        let buf = gpu.alloc_device(4096).unwrap();
+        let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, 1024);
+        let kind = MemoryKind::Device { ordinal: 0 };
+        let gate = gpu.alloc_words(1).unwrap();
+        let word = gpu.device_address(gate.buf().as_ptr()).unwrap();
+        gpu.wait_word(stream.raw(), word, 1).unwrap();
+        comm.set_timeout(Duration::from_secs(2));
+        let started = Instant::now();
+        // SAFETY: `buf` outlives the call and the stream's work, drained below.
+        let work = unsafe {
+            let at = buf.buf().as_ptr().cast_mut();
+            comm.launch_on_stream(
+                &coll,
+                BufRef::from_raw(kind, at, 4096),
+                BufMut::from_raw(kind, at, 4096),
+                &stream,
+            )
+        };
+        let result = work.wait();
+        let waited = started.elapsed();
+        // SAFETY: a word of `alloc_words`.
+        unsafe { &*(gate.buf().as_ptr() as *const AtomicU32) }.store(1, Ordering::Release);
+        let drained = stream.synchronize(Some(Duration::from_secs(30))).unwrap();
+        (result.map_err(|e| e.to_string()), waited, drained)
+    });
+    for (result, waited, drained) in results {
+        let e = result.expect_err("a call behind a stuck stream succeeded");
+        assert!(e.contains("allreduce") && e.contains("timed out"), "{e}");
+        assert!(waited < Duration::from_secs(30), "waited {waited:?}");
+        assert!(drained, "the stream did not drain once released");
+    }
 }
 
 /// Memory of the wrong kind is refused before anything is sent.

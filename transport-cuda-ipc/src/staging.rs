@@ -14,7 +14,10 @@
 //! first copy waits for the work already queued on it, and it waits (on the
 //! GPU, for the word) for the last chunk before any later work runs.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::{
+    sync::{Arc, Mutex, MutexGuard},
+    time::{Duration, Instant},
+};
 
 use ccl_core::{BufMut, BufRef, Collective, Error, Event, Result, Scratch};
 
@@ -149,28 +152,61 @@ impl Event for Failed {
     }
 }
 
-/// The word reaching a value: chunk `value - 1` is back on the device.
+/// The word reaching a value: chunk `value - 1` is back on the device. It
+/// fails with a timeout naming `call` once `deadline` passes (a chunk's
+/// copies never ran: the caller's stream is stuck behind earlier work).
 struct StagedOut {
     done: Arc<Flags>,
     value: u32,
+    deadline: Instant,
+    timeout: Duration,
+    call: String,
+}
+
+impl StagedOut {
+    fn reached(&self) -> bool {
+        let now = self.done.word(0).load(std::sync::atomic::Ordering::Acquire);
+        now.wrapping_sub(self.value) as i32 >= 0
+    }
+
+    fn timed_out(&self) -> Error {
+        Error::Timeout {
+            context: self.call.clone(),
+            what: "the GPU to copy the call's chunks back (is the stream blocked by earlier work?)"
+                .into(),
+            after: self.timeout,
+        }
+    }
 }
 
 impl Event for StagedOut {
     fn query(&self) -> Result<bool> {
-        let now = self.done.word(0).load(std::sync::atomic::Ordering::Acquire);
-        Ok(now.wrapping_sub(self.value) as i32 >= 0)
+        if self.reached() {
+            return Ok(true);
+        }
+        if Instant::now() >= self.deadline {
+            return Err(self.timed_out());
+        }
+        Ok(false)
     }
 
-    fn synchronize(&self, timeout: Option<std::time::Duration>) -> Result<bool> {
-        let start = std::time::Instant::now();
+    fn synchronize(&self, timeout: Option<Duration>) -> Result<bool> {
+        let start = Instant::now();
         loop {
             if self.query()? {
                 return Ok(true);
             }
-            if timeout.is_some_and(|t| start.elapsed() >= t) {
+            let waited = start.elapsed();
+            if timeout.is_some_and(|t| waited >= t) {
                 return Ok(false);
             }
-            std::thread::yield_now();
+            // Chunks come back within microseconds of each other; a long
+            // wait is for the caller's own work, so back off to sleeping.
+            if waited < Duration::from_millis(10) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
         }
     }
 }
@@ -381,8 +417,14 @@ impl Launch<'_> {
 
     /// Ends the call's staging: `user` waits (on the GPU) until its last
     /// chunk is back on the device (or why it cannot); the event returned
-    /// happens then, either way.
-    pub fn finish(self, user: &Stream) -> (Arc<dyn Event>, Result<()>) {
+    /// happens then, either way, or fails with a timeout naming `call`
+    /// after `timeout`.
+    pub fn finish(
+        self,
+        user: &Stream,
+        timeout: Duration,
+        call: String,
+    ) -> (Arc<dyn Event>, Result<()>) {
         let value = (*self.next) as u32;
         let staging = self.staging;
         let gated = staging
@@ -391,6 +433,9 @@ impl Launch<'_> {
         let staged = Arc::new(StagedOut {
             done: staging.done.clone(),
             value,
+            deadline: Instant::now() + timeout,
+            timeout,
+            call,
         });
         (staged, gated)
     }
