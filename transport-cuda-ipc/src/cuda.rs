@@ -92,7 +92,9 @@ pub(crate) fn current_device() -> Result<u32> {
     // SAFETY: the driver is initialised; writes one int.
     match unsafe { cu::cuCtxGetDevice(&mut device) } {
         CUresult::CUDA_SUCCESS => Ok(device as u32),
-        _ => Ok(0),
+        // No context current: device 0, the CUDA runtime's default too.
+        CUresult::CUDA_ERROR_INVALID_CONTEXT => Ok(0),
+        e => Err(cuda_error(e, "cuCtxGetDevice".into())),
     }
 }
 
