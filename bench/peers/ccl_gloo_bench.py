@@ -89,14 +89,15 @@ def main() -> int:
     p.add_argument("-d", choices=sorted(DTYPES), default="f32")
     p.add_argument("-o", choices=sorted(OPS), default="sum")
     p.add_argument("-r", type=int, default=0)
-    p.add_argument("-i", action="store_true", help="in-place forms (allreduce and reduce always are)")
+    p.add_argument("-i", action="store_true", help="in-place forms (allreduce, reduce and broadcast always are)")
     p.add_argument("-v", action="store_true", help="median, fastest and slowest iteration")
     a = p.parse_args()
     if a.e < a.b or a.f <= 1 or a.n < 1:
         p.error("need MAX >= MIN, FACTOR > 1 and ITERS >= 1")
-    if a.i and a.coll not in ("allreduce", "reduce"):
-        p.error("-i: only allreduce and reduce have an in-place form here")
-    inplace = a.i or a.coll in ("allreduce", "reduce")
+    one_buffer = ("allreduce", "reduce", "broadcast")  # torch's forms of these take one tensor
+    if a.i and a.coll not in one_buffer:
+        p.error("-i: only allreduce, reduce and broadcast have an in-place form here")
+    inplace = a.i or a.coll in one_buffer
 
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()

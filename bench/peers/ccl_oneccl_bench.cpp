@@ -177,7 +177,10 @@ int main(int argc, char **argv) {
     if (iters < 1) die("iterations must be at least 1", nullptr);
     if (root < 0 || root >= nranks) die("root is not below the number of ranks", nullptr);
     if (c == BARRIER) minb = maxb = 1;
-    if (inplace && c != ALLREDUCE && c != REDUCE) die("-i: only allreduce and reduce have an in-place form here", nullptr);
+    // oneCCL's broadcast has one buffer: it is in place whatever -i says.
+    if (c == BROADCAST) inplace = true;
+    if (inplace && c != ALLREDUCE && c != REDUCE && c != BROADCAST)
+        die("-i: only allreduce, reduce and broadcast have an in-place form here", nullptr);
 
     ccl::init();
     auto kvs = make_kvs();

@@ -303,9 +303,16 @@ pub struct CompareTarget {
 }
 
 impl CompareTarget {
-    /// The validated plan of the comparison.
+    /// The validated plan of the comparison. Broadcast is compared in
+    /// place: every peer's broadcast has one buffer (MPI_Bcast, oneCCL's
+    /// and torch's), while ccl's out-of-place form also copies the root's
+    /// input to its output.
     pub fn plan(&self) -> Result<Plan, String> {
-        common_plan(self.collective, &self.sizes, &self.common)
+        let mut plan = common_plan(self.collective, &self.sizes, &self.common)?;
+        if plan.coll == Coll::Broadcast {
+            plan.inplace = true;
+        }
+        Ok(plan)
     }
 
     /// How many local ranks a comparison that starts its own (`what`)

@@ -542,10 +542,10 @@ impl PeerKind {
         }
         if plan.inplace
             && matches!(self, PeerKind::Oneccl | PeerKind::Gloo)
-            && !matches!(plan.coll, Coll::Allreduce | Coll::Reduce)
+            && !matches!(plan.coll, Coll::Allreduce | Coll::Reduce | Coll::Broadcast)
         {
             return Err(format!(
-                "--inplace: the {name} benchmark has in-place forms of allreduce and reduce only"
+                "--inplace: the {name} benchmark has in-place forms of allreduce, reduce and broadcast only"
             ));
         }
         Ok(())

@@ -650,6 +650,43 @@ fn compare_mpi_runs_openmpi() {
     assert_no_strays(&mark);
 }
 
+/// Broadcast is compared in its one-buffer form, ccl's too: every peer's
+/// broadcast has one buffer, and ccl's out-of-place form would also copy the
+/// root's input to its output.
+#[test]
+fn compare_runs_broadcast_in_place() {
+    let (mark, dir) = scratch("bcast");
+    let json = dir.join("bcast.json");
+    let out = run(
+        &mark,
+        &[
+            "compare",
+            "broadcast",
+            "-b",
+            "4KB",
+            "-e",
+            "4KB",
+            "--ranks",
+            "2",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--peers",
+            "openmpi",
+            "--membw-size",
+            "1MB",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("in-place"), "{stdout}");
+    assert_eq!(read_json(&json)["config"]["inplace"], true);
+    assert_no_strays(&mark);
+}
+
 /// Every peer of `compare` must run: OpenMPI, MPICH, oneCCL (its wheels in
 /// target/oneccl) and Gloo (torch in target/venv), as scripts/test installs
 /// them. A missing peer fails this test; it is never skipped.
