@@ -40,14 +40,16 @@ cd "$build"
   c++ -Wall -Werror $(pkg-config --cflags cclrs) cxx.cc -o cxx $libs
 }
 ./cxx
-# The executables name the installed library, not the build tree.
-ldd ./allreduce | grep -q "$prefix/lib/libcclrs.so.0"
-if ldd ./allreduce-static | grep -q libcclrs; then
+# The executables name the installed library, not the build tree. (grep reads
+# all of ldd's output: with -q it could stop early, ldd would die of SIGPIPE,
+# and pipefail would turn that into a failure, or a false negative.)
+ldd ./allreduce | grep "$prefix/lib/libcclrs.so.0" >/dev/null
+if ldd ./allreduce-static | grep libcclrs >/dev/null; then
   echo "allreduce-static links libcclrs dynamically" >&2
   exit 1
 fi
 # The default build runs where libibverbs is not installed.
-if ldd "$prefix/lib/libcclrs.so.0" | grep -q libibverbs; then
+if ldd "$prefix/lib/libcclrs.so.0" | grep libibverbs >/dev/null; then
   echo "the default libcclrs links libibverbs (the RDMA glue belongs behind its feature)" >&2
   exit 1
 fi
