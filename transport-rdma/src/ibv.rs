@@ -1,6 +1,6 @@
-//! The glue to a real NIC: [`Verbs`] on libibverbs, through the raw
-//! bindings of the `ibverbs` crate (its safe API cannot register memory it
-//! did not allocate, nor post RDMA writes). Built only with the `ibverbs`
+//! The glue to a real NIC: [`Verbs`] on libibverbs, through `ibverbs-sys`,
+//! the raw bindings of the `ibverbs` project (the safe `ibverbs` crate
+//! cannot register memory it did not allocate, nor post RDMA writes). Built only with the `ibverbs`
 //! feature, since it links libibverbs.
 //!
 //! One protection domain per NIC; per peer one reliable-connected queue

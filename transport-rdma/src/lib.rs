@@ -7,8 +7,9 @@
 //! small [`Verbs`] trait; a link ([`link`]) that drives it from the
 //! engine's futures; the set-up exchange through the authenticated store
 //! ([`setup`]); a registration cache ([`regcache`]). Two things implement
-//! [`Verbs`]: the glue to a real NIC (`ibv`, on the `ibverbs` crate's raw
-//! bindings, behind the feature `ibverbs` since it links libibverbs), and
+//! [`Verbs`]: the glue to a real NIC (`ibv`, on `ibverbs-sys`, the raw
+//! bindings of the `ibverbs` project, behind the feature `ibverbs` since it
+//! links libibverbs), and
 //! [`sim`], a simulated fabric between processes of one host, which is a
 //! test double for hardware this project does not have, chosen only by
 //! `CCL_RDMA_SIM`.
