@@ -24,9 +24,21 @@
 #   -l LATENCY     tbf latency (queue length in time)       [50ms]
 #   -m MTU         MTU of the links                         [1500]
 #   -L PERCENT     drop this share of the packets each host receives, at
-#                  random (nftables on its eth0 ingress; e.g. 0.5)    [0]
-#   -D DELAY       delay what each host sends (tc netem, e.g. 20ms); fails
-#                  if the kernel has no netem                         [none]
+#                  random (nftables on its eth0 ingress; e.g. 0.5). As with
+#                  tc netem, a packet is a kernel buffer: with segmentation
+#                  offload, up to 64 KB of TCP or a batch of QUIC datagrams,
+#                  lost or kept whole                                 [0]
+#   -1             hosts send one wire packet per buffer (no segmentation
+#                  offload), so -L drops that share of wire packets; costs
+#                  far more CPU per byte (TCP: 25% of a 1 Gbit/s line on
+#                  2 cores, with 4 hosts)
+#   -D DELAY       delay every packet between hosts once, in ms (e.g. 20):
+#                  tc netem on what each host sends where the kernel has
+#                  netem, else ccl-netdelay on what each host receives
+#                  (a delay line on NFQUEUE; needs iptables)          [none]
+#   -B PATH        the ccl-netdelay binary, for -D without netem
+#                  (cargo build --release -p ccl-tests --bin ccl-netdelay)
+#                                               [target/release/ccl-netdelay]
 #   -p PORT        MASTER_PORT                              [29500]
 #   -t SECONDS     kill the ranks after this long           [600]
 #   -k             keep the namespaces after COMMAND (and skip it if none
@@ -48,6 +60,9 @@ LATENCY=50ms
 MTU=1500
 LOSS=0
 DELAY=
+DELAY_TEXT=
+NETDELAY=target/release/ccl-netdelay
+ONE=0
 PORT=29500
 TIMEOUT=600
 KEEP=0
@@ -70,7 +85,7 @@ cleanup() {
 }
 
 DELETE=0
-while getopts "n:r:b:l:m:L:D:p:t:kdh" opt; do
+while getopts "n:r:b:l:m:L:D:B:p:t:1kdh" opt; do
     case "$opt" in
     n) N=$OPTARG ;;
     r) RATE=$OPTARG ;;
@@ -78,7 +93,9 @@ while getopts "n:r:b:l:m:L:D:p:t:kdh" opt; do
     l) LATENCY=$OPTARG ;;
     m) MTU=$OPTARG ;;
     L) LOSS=$OPTARG ;;
-    D) DELAY=$OPTARG ;;
+    D) DELAY=${OPTARG%ms} ;;
+    B) NETDELAY=$OPTARG ;;
+    1) ONE=1 ;;
     p) PORT=$OPTARG ;;
     t) TIMEOUT=$OPTARG ;;
     k) KEEP=1 ;;
@@ -110,6 +127,10 @@ if ! awk -v p="$LOSS" 'BEGIN { exit !(p >= 0 && p <= 100) }'; then
     echo "netns.sh: -L must be a percentage (0..100)" >&2
     exit 2
 fi
+if [ -n "$DELAY" ] && ! awk -v d="$DELAY" 'BEGIN { exit !(d ~ /^[0-9.]+$/ && d <= 10000) }'; then
+    echo "netns.sh: -D must be a delay in ms (0..10000)" >&2
+    exit 2
+fi
 if [ "$LOSS" != 0 ] && ! command -v nft >/dev/null; then
     echo "netns.sh: -L needs nft (nftables)" >&2
     exit 2
@@ -120,11 +141,20 @@ if ip netns list | awk '{print $1}' | grep -qx "$SWITCH"; then
 fi
 
 PIDS=()
+DELAY_LINES=()
+# The delay lines print what they held when told to stop.
+stop_delay_lines() {
+    for pid in "${DELAY_LINES[@]:-}"; do
+        [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true
+    done
+    DELAY_LINES=()
+}
 on_exit() {
     local code=$?
     for pid in "${PIDS[@]:-}"; do
         [ -n "$pid" ] && kill -KILL "$pid" 2>/dev/null || true
     done
+    stop_delay_lines
     if [ "$KEEP" = 0 ]; then
         cleanup
     fi
@@ -139,10 +169,32 @@ shape() { # namespace device
 }
 
 # Sending with a delay: netem holds the packets, then the tbf below it
-# limits the rate.
-delay() { # namespace device
-    ip netns exec "$1" tc qdisc replace dev "$2" root handle 1: netem delay "$DELAY" limit 100000
-    ip netns exec "$1" tc qdisc add dev "$2" parent 1:1 handle 10: tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
+# limits the rate. Fails where the kernel has no netem.
+netem_delay() { # namespace device
+    ip netns exec "$1" tc qdisc replace dev "$2" root handle 1: netem delay "${DELAY}ms" limit 100000 &&
+        ip netns exec "$1" tc qdisc add dev "$2" parent 1:1 handle 10: tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
+}
+
+# Receiving with a delay, without netem: ccl-netdelay holds what arrives on
+# the device for DELAY ms (after the switch's tbf), then lets it through.
+line_delay() { # namespace device
+    local log
+    log=$(mktemp)
+    ip netns exec "$1" "$NETDELAY" --queue 0 --delay-ms "$DELAY" \
+        > >(tee "$log" | sed -u "/^ready/d; s/^/netns.sh: $1: ccl-netdelay: /" >&2) 2>&1 &
+    DELAY_LINES+=($!)
+    for _ in $(seq 100); do
+        grep -q '^ready' "$log" && break
+        kill -0 "${DELAY_LINES[-1]}" 2>/dev/null || break
+        sleep 0.05
+    done
+    if ! grep -q '^ready' "$log"; then
+        echo "netns.sh: -D: $NETDELAY did not start: $(cat "$log")" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+    ip netns exec "$1" iptables -A INPUT -i "$2" -j NFQUEUE --queue-num 0
 }
 
 # Random loss of what a host receives: 1 in 100000 per 0.001 %.
@@ -165,19 +217,22 @@ for ((i = 0; i < N; i++)); do
     ip link add "ccl-p$i" netns "$SWITCH" mtu "$MTU" type veth peer name eth0 netns "$ns" mtu "$MTU"
     ip netns exec "$SWITCH" ip link set "ccl-p$i" master br0 up
     ip netns exec "$ns" ip addr add "$SUBNET.$((i + 1))/24" dev eth0
+    # -1: one packet per buffer, as on a wire (see the option).
+    [ "$ONE" = 1 ] && ip netns exec "$ns" ip link set dev eth0 gso_max_segs 1
     ip netns exec "$ns" ip link set eth0 up
-    if [ -n "$DELAY" ]; then
-        if ! delay "$ns" eth0 2>/dev/null; then
-            echo "netns.sh: -D $DELAY: this kernel has no tc netem (sch_netem); cannot delay packets" >&2
-            exit 2
+    if [ -z "$DELAY" ] || ! netem_delay "$ns" eth0 2>/dev/null; then
+        shape "$ns" eth0 # what host i sends
+        if [ -n "$DELAY" ]; then
+            line_delay "$ns" eth0 || exit 2
+            DELAY_TEXT="$DELAY ms (ccl-netdelay)"
         fi
     else
-        shape "$ns" eth0 # what host i sends
+        DELAY_TEXT="$DELAY ms (netem)"
     fi
     [ "$LOSS" != 0 ] && lose "$ns" eth0
     shape "$SWITCH" "ccl-p$i" # what host i receives
 done
-echo "netns.sh: $N namespaces ${PREFIX}0..${PREFIX}$((N - 1)) ($SUBNET.1-$N), links $RATE (tbf burst $BURST latency $LATENCY), mtu $MTU, loss ${LOSS}%, delay ${DELAY:-none}" >&2
+echo "netns.sh: $N namespaces ${PREFIX}0..${PREFIX}$((N - 1)) ($SUBNET.1-$N), links $RATE (tbf burst $BURST latency $LATENCY), mtu $MTU$([ "$ONE" = 1 ] && echo ' (one packet per buffer)'), loss ${LOSS}%, delay ${DELAY_TEXT:-none}" >&2
 # Wait until the bridge forwards (ports leave the listening state at once with STP off).
 for ((i = 1; i < N; i++)); do
     for _ in $(seq 50); do
@@ -204,5 +259,6 @@ for pid in "${PIDS[@]}"; do
     wait "$pid" || code=$?
 done
 PIDS=()
+stop_delay_lines
 wait # the output filters
 exit "$code"

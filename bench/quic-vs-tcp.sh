@@ -12,16 +12,18 @@
 #   -r RATE      link rate, tc syntax                            [1gbit]
 #   -m MTU       MTU of the links                                [1500]
 #   -L PERCENT   packets lost at random                          [0.5]
-#   -D DELAY     delay of what each host sends (needs tc netem)  [none]
+#   -D DELAY     delay of every packet, ms (netem or ccl-netdelay) [none]
+#   -1           one wire packet per buffer (see bench/netns.sh -1)
 #   -s SIZE      allreduce size                                  [64MB]
 #   -i ITERS     timed iterations per run                        [5]
 #   -R ROUNDS    rounds of every variant                         [2]
 #   -v LIST      variants, transport[:congestion controller]     ["tcp quic"]
 #   -b PATH      ccl-bench binary               [target/release/ccl-bench]
+#   -B PATH      ccl-netdelay binary, for -D    [target/release/ccl-netdelay]
 #
 # Example (what the README quotes):
-#   cargo build --release -p ccl-bench
-#   sudo bench/quic-vs-tcp.sh -n 4 -r 1gbit -L 0.5 -v "tcp quic quic:bbr"
+#   cargo build --release -p ccl-bench -p ccl-tests --bin ccl-bench --bin ccl-netdelay
+#   sudo bench/quic-vs-tcp.sh -n 4 -r 1gbit -L 0.5 -D 20 -v "tcp quic quic:cubic"
 
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,9 @@ ITERS=5
 ROUNDS=2
 VARIANTS="tcp quic"
 BENCH=target/release/ccl-bench
-while getopts "n:r:m:L:D:s:i:R:v:b:h" opt; do
+NETDELAY=target/release/ccl-netdelay
+ONE=0
+while getopts "n:r:m:L:D:s:i:R:v:b:B:1h" opt; do
     case "$opt" in
     n) N=$OPTARG ;;
     r) RATE=$OPTARG ;;
@@ -48,6 +52,8 @@ while getopts "n:r:m:L:D:s:i:R:v:b:h" opt; do
     R) ROUNDS=$OPTARG ;;
     v) VARIANTS=$OPTARG ;;
     b) BENCH=$OPTARG ;;
+    B) NETDELAY=$OPTARG ;;
+    1) ONE=1 ;;
     h) sed -n '2,/^set -euo/p' "$0" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'; exit 0 ;;
     *) exit 2 ;;
     esac
@@ -60,9 +66,12 @@ line=$(awk -v r="$RATE" 'BEGIN {
     m = (u == "kbit") ? 1e3 : (u == "mbit") ? 1e6 : (u == "gbit") ? 1e9 : 1
     printf "%.6f", n * m / 8 / 1e9 }')
 netns=(bench/netns.sh -n "$N" -r "$RATE" -m "$MTU" -L "$LOSS" -t 900)
-[ -n "$DELAY" ] && netns+=(-D "$DELAY")
+[ -n "$DELAY" ] && netns+=(-D "$DELAY" -B "$NETDELAY")
+[ "$ONE" = 1 ] && netns+=(-1)
 
-echo "# ring allreduce of $SIZE, $N hosts, links $RATE (${line} GB/s), MTU $MTU, loss ${LOSS}%, delay ${DELAY:-none}"
+delay_text=none
+[ -n "$DELAY" ] && delay_text="${DELAY%ms} ms"
+echo "# ring allreduce of $SIZE, $N hosts, links $RATE (${line} GB/s), MTU $MTU$([ "$ONE" = 1 ] && echo ' (one packet per buffer)'), loss ${LOSS}%, delay $delay_text"
 printf "# %-5s  %-12s  %12s  %9s  %6s\n" round variant "time (us)" "busbw" "% line"
 for ((round = 1; round <= ROUNDS; round++)); do
     for v in $VARIANTS; do

@@ -1,9 +1,12 @@
 //! Two "hosts" on one machine: network namespaces joined by a veth pair,
-//! for tests of links between hosts (a cut, packet loss). Needs root, `ip`
-//! and, for loss, `nft`; the test suite's set-up provides them, and without
-//! them these tests fail.
+//! for tests of links between hosts (a cut, packet loss, delay). Needs root,
+//! `ip`, for loss `nft`, and for delay `iptables`; the test suite's set-up
+//! provides them, and without them these tests fail.
 
-use std::process::Command;
+use std::{
+    io::{BufRead, BufReader, Read},
+    process::{Child, Command, Stdio},
+};
 
 /// Runs `ip args`, panicking with its error output if it fails.
 pub fn ip(args: &[&str]) {
@@ -29,6 +32,8 @@ pub struct TwoHosts {
     pub dev: [String; 2],
     /// The addresses of the veth ends.
     pub addr: [String; 2],
+    /// The delay lines of [`TwoHosts::delay`], one per namespace.
+    delay_lines: Vec<Child>,
 }
 
 impl TwoHosts {
@@ -42,6 +47,7 @@ impl TwoHosts {
                 format!("10.91.{}.1", id % 250),
                 format!("10.91.{}.2", id % 250),
             ],
+            delay_lines: Vec::new(),
         };
         for ns in &h.ns {
             ip(&["netns", "add", ns]);
@@ -82,6 +88,63 @@ impl TwoHosts {
         }
     }
 
+    /// Delays every packet that arrives at either host by `ms` milliseconds:
+    /// `netdelay` (the `ccl-netdelay` binary, a delay line on NFQUEUE, since
+    /// this kernel has no `tc netem`) holds what an iptables rule on the
+    /// veth's input hands it. [`TwoHosts::stop_delay`] reports what it held.
+    pub fn delay(&mut self, netdelay: &str, ms: u32) {
+        for i in 0..2 {
+            let mut line = Command::new("ip")
+                .args(["netns", "exec", &self.ns[i], netdelay, "--queue", "0"])
+                .args(["--delay-ms", &ms.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap_or_else(|e| panic!("running {netdelay}: {e}"));
+            let mut first = String::new();
+            let stdout = line.stdout.as_mut().expect("piped stdout");
+            // The line is printed once the queue is bound; the rule may go in then.
+            let _ = BufReader::new(stdout).read_line(&mut first);
+            if first.trim() != "ready" {
+                let _ = line.kill();
+                let mut err = String::new();
+                let _ = line.stderr.take().expect("piped").read_to_string(&mut err);
+                panic!("{netdelay} did not start in {}: {err}", self.ns[i]);
+            }
+            self.delay_lines.push(line);
+            ip(&[
+                "netns",
+                "exec",
+                &self.ns[i],
+                "iptables",
+                "-A",
+                "INPUT",
+                "-i",
+                &self.dev[i],
+                "-j",
+                "NFQUEUE",
+                "--queue-num",
+                "0",
+            ]);
+        }
+    }
+
+    /// Stops the delay lines and returns what each printed: the packets it
+    /// held and their mean hold time.
+    pub fn stop_delay(&mut self) -> Vec<String> {
+        self.delay_lines
+            .drain(..)
+            .map(|line| {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(line.id() as i32),
+                    nix::sys::signal::Signal::SIGTERM,
+                );
+                let out = line.wait_with_output().expect("waiting for a delay line");
+                String::from_utf8_lossy(&out.stdout).trim().to_string()
+            })
+            .collect()
+    }
+
     /// Packets the rules of [`TwoHosts::lose`] dropped so far.
     pub fn lost(&self) -> u64 {
         self.ns
@@ -110,6 +173,10 @@ impl TwoHosts {
 
 impl Drop for TwoHosts {
     fn drop(&mut self) {
+        for line in &mut self.delay_lines {
+            let _ = line.kill();
+            let _ = line.wait();
+        }
         for ns in &self.ns {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }

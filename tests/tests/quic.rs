@@ -1,14 +1,16 @@
 //! Real processes over QUIC (`CCL_TRANSPORT=quic`): on loopback, every
 //! collective, large messages, point-to-point, with and without a job
-//! secret; between two network namespaces, under packet loss, and in a job
-//! that takes shared memory within each host and QUIC between them
-//! (`CCL_TRANSPORT=shm,quic`). The namespaces need root, `ip` and `nft`.
+//! secret; between two network namespaces, under packet loss, under 20 ms
+//! of delay with loss, and in a job that takes shared memory within each
+//! host and QUIC between them (`CCL_TRANSPORT=shm,quic`). The namespaces
+//! need root, `ip`, `nft` and `iptables`.
 
 use std::time::Duration;
 
 use ccl_tests::{assert_all_ok, launch, launch_each, netns::TwoHosts, RankOutput};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
+const NETDELAY: &str = env!("CARGO_BIN_EXE_ccl-netdelay");
 
 fn env() -> Vec<(&'static str, String)> {
     vec![
@@ -101,6 +103,36 @@ fn results_stay_right_when_two_percent_of_packets_are_lost() {
         "no packet was dropped: the loss rule did not apply"
     );
     eprintln!("QUIC recovered from {lost} dropped packets");
+}
+
+#[test]
+fn results_stay_right_under_20_ms_of_delay_and_half_a_percent_of_loss() {
+    let mut hosts = TwoHosts::new("qdelay");
+    hosts.lose(5);
+    hosts.delay(NETDELAY, 20);
+    for scenario in ["collectives", "large", "send-then-exit"] {
+        across_two_hosts(&hosts, scenario, 2, "quic");
+    }
+    let lost = hosts.lost();
+    let held = hosts.stop_delay();
+    eprintln!("QUIC recovered from {lost} dropped packets; delay lines: {held:?}");
+    assert!(
+        lost > 0,
+        "no packet was dropped: the loss rule did not apply"
+    );
+    for line in &held {
+        // "held N packets, mean M ms, K overruns"
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let (count, mean) = match words.as_slice() {
+            ["held", n, "packets,", "mean", m, "ms,", ..] => (
+                n.parse::<u64>().unwrap_or(0),
+                m.parse::<f64>().unwrap_or(0.0),
+            ),
+            _ => panic!("unexpected delay line report: {line:?}"),
+        };
+        assert!(count > 0, "a delay line held no packet: {line}");
+        assert!(mean >= 20.0, "packets were held less than 20 ms: {line}");
+    }
 }
 
 #[test]

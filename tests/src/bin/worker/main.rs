@@ -498,6 +498,30 @@ fn main() {
                 ck.vec("large allgather", &all, |i| i as f32, len * n);
             }
         }
+        "send-then-exit" => {
+            // Rank 0 sends and exits at once, without dropping its
+            // communicator; the last rank receives a second later. Over
+            // QUIC the data may still be in rank 0's quinn buffers when it
+            // calls exit: its exit hook must deliver it.
+            let (r, n) = (comm.rank(), comm.world_size());
+            let len = 8usize << 20;
+            if r == 0 {
+                let data: Vec<u32> = (0..len as u32).collect();
+                ck.ok("send before exit", comm.send(&data, n - 1));
+                println!("rank 0: {} checks, {} failures", ck.checks, ck.failures);
+                exit(if ck.failures == 0 { 0 } else { 1 });
+            }
+            if r == n - 1 {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+                let mut got = vec![0u32; len];
+                if ck
+                    .ok("recv from an exited rank", comm.recv(&mut got, 0))
+                    .is_some()
+                {
+                    ck.vec("recv from an exited rank", &got, |i| i as u32, len);
+                }
+            }
+        }
         "repeat" => {
             // Allreduces until one fails (a link is cut from outside), then
             // prints the error.
