@@ -108,6 +108,7 @@ fn slowest(comm: &Communicator, secs: f64) -> ccl::Result<f64> {
 
 fn run_rank(args: &BucketerArgs, config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     let timeout = args::timeout(args.timeout)?;
+    ccl::init_tracing(config.debug.as_deref());
     let store = ccl::rendezvous_store(config, timeout)?;
     let mut options = Options::from_config(config)?;
     options.timeout = timeout;

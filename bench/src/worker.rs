@@ -318,6 +318,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     };
 
     // ---- set-up: rendezvous and one communicator per algorithm ----------
+    ccl::init_tracing(config.debug.as_deref());
     let store = ccl::rendezvous_store(config, plan.timeout)?;
     let mut comms = Vec::with_capacity(plan.algos.len());
     for (i, algo) in plan.algos.iter().enumerate() {
