@@ -19,9 +19,15 @@
 use std::{
     collections::VecDeque,
     io,
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
     process::ExitCode,
     sync::atomic::{AtomicBool, Ordering},
     time::{Duration, Instant},
+};
+
+use nix::{
+    poll::{ppoll, PollFd, PollFlags},
+    sys::time::TimeSpec,
 };
 
 /// Netlink message header length.
@@ -88,7 +94,7 @@ fn parse_args() -> Result<Args, String> {
 
 /// A netlink socket bound to one NFQUEUE queue of this namespace.
 struct Queue {
-    fd: libc::c_int,
+    fd: OwnedFd,
     number: u16,
     seq: u32,
 }
@@ -106,13 +112,15 @@ impl Queue {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
+        // SAFETY: `fd` is a new descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let queue = Queue { fd, number, seq: 0 };
         // A deep receive buffer: packets the kernel cannot hand over are dropped.
         let size: libc::c_int = 64 << 20;
         // SAFETY: `size` outlives the call and its length is passed.
         unsafe {
             libc::setsockopt(
-                fd,
+                queue.fd.as_raw_fd(),
                 libc::SOL_SOCKET,
                 libc::SO_RCVBUFFORCE,
                 (&size as *const libc::c_int).cast(),
@@ -157,7 +165,7 @@ impl Queue {
 
     fn send(&self, msg: &[u8]) -> io::Result<()> {
         // SAFETY: `msg` is a valid buffer of the given length.
-        let n = unsafe { libc::send(self.fd, msg.as_ptr().cast(), msg.len(), 0) };
+        let n = unsafe { libc::send(self.fd.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0) };
         if n < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -184,7 +192,14 @@ impl Queue {
     fn recv(&self, buf: &mut [u8], wait: bool) -> io::Result<usize> {
         let flags = if wait { 0 } else { libc::MSG_DONTWAIT };
         // SAFETY: `buf` is a valid, writable buffer of the given length.
-        let n = unsafe { libc::recv(self.fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+        let n = unsafe {
+            libc::recv(
+                self.fd.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                flags,
+            )
+        };
         if n < 0 {
             let e = io::Error::last_os_error();
             return match e.kind() {
@@ -209,27 +224,9 @@ impl Queue {
 
     /// Waits until a message arrives or `timeout` passes.
     fn wait(&self, timeout: Option<Duration>) {
-        let mut pfd = libc::pollfd {
-            fd: self.fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ts = timeout.map(|t| libc::timespec {
-            tv_sec: t.as_secs() as libc::time_t,
-            tv_nsec: t.subsec_nanos() as libc::c_long,
-        });
-        let ts_ptr = ts
-            .as_ref()
-            .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-        // SAFETY: one valid pollfd; `ts` lives across the call.
-        unsafe { libc::ppoll(&mut pfd, 1, ts_ptr, std::ptr::null()) };
-    }
-}
-
-impl Drop for Queue {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is owned and closed once.
-        unsafe { libc::close(self.fd) };
+        let mut fds = [PollFd::new(self.fd.as_fd(), PollFlags::POLLIN)];
+        // An interruption (the stop signal) is a wake-up like any other.
+        let _ = ppoll(&mut fds, timeout.map(TimeSpec::from), None);
     }
 }
 
