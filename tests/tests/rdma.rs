@@ -143,7 +143,8 @@ fn a_remote_access_error_fails_every_rank_with_the_peer_named() {
     let culprit = out[1].text();
     assert!(
         culprit.contains("remote access error") && culprit.contains("protocol error from rank"),
-        "{culprit}"
+        "rank 1 does not report the access error; every rank:\n{}",
+        out.iter().map(|o| o.text()).collect::<Vec<_>>().join("\n")
     );
 }
 

@@ -414,21 +414,33 @@ fn connect<V: Verbs>(
         store.set(&format!("rdma/{rank}-{p}/ready"), verdict.as_bytes())?;
         verdicts.push(pair);
     }
-    let mut results = Vec::new();
+    let mut states = Vec::new();
     for (&p, pair) in peers.iter().zip(verdicts) {
         let theirs = store.get(&format!("rdma/{p}-{rank}/ready"), setup.timeout)?;
-        let result = match (pair, theirs.strip_prefix(b"refused ")) {
-            (Ok(peer), None) => {
-                Ok(Arc::new(RdmaLink::new(rank, p, peer, spin)) as Arc<dyn ccl_core::Link>)
-            }
+        let state = match (pair, theirs.strip_prefix(b"refused ")) {
+            (Ok(peer), None) => Ok(Arc::new(Mutex::new(peer))),
             (Err(why), _) => Err(why),
             (Ok(_), Some(why)) => Err(format!(
                 "rank {p} refused this rank's RDMA set-up: {}",
                 String::from_utf8_lossy(why)
             )),
         };
-        results.push(result);
+        states.push(state);
     }
+    let pairs: Arc<[_]> = states
+        .iter()
+        .filter_map(|s| s.as_ref().ok().map(Arc::downgrade))
+        .collect();
+    let results: Vec<PairResult> = peers
+        .iter()
+        .zip(states)
+        .map(|(&p, state)| {
+            state.map(|state| {
+                Arc::new(RdmaLink::new((rank, p), state, pairs.clone(), spin))
+                    as Arc<dyn ccl_core::Link>
+            })
+        })
+        .collect();
     let linked = results.iter().filter(|r| r.is_ok()).count();
     tracing::debug!(rank, device = %verbs.name(), "rdma: {linked} of {} peers linked", peers.len());
     Ok(results)

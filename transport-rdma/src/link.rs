@@ -2,11 +2,14 @@
 //! link's futures. A waiting future polls the completion queue for the spin
 //! window, then sleeps in short, growing steps (up to 1 ms) between polls.
 //! A dropped send or receive is cancelled in the protocol, which fails the
-//! pair if it was in the middle of a message.
+//! pair if it was in the middle of a message. A future that sleeps first
+//! takes in the other pairs' completions too: an eager send is done once
+//! posted, so its write can fail while the rank waits on another peer, and
+//! that failure must end the wait (the peer it starved is waiting too).
 
 use std::{
     future::{poll_fn, Future},
-    sync::{Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, TryLockError, Weak},
     task::Poll,
     time::{Duration, Instant},
 };
@@ -23,26 +26,54 @@ use crate::{
 /// Longest sleep between two polls of a waiting future.
 const MAX_NAP: Duration = Duration::from_millis(1);
 
+/// The protocol state of one pair, shared with the rank's other links.
+pub(crate) type PeerState<V> = Arc<Mutex<Peer<V>>>;
+
 /// A link to one peer over an RC queue pair.
 pub(crate) struct RdmaLink<V: Verbs> {
     rank: usize,
     peer: usize,
-    state: Mutex<Peer<V>>,
+    state: PeerState<V>,
+    /// Every pair this rank connected in the same set-up, this one included.
+    pairs: Arc<[Weak<Mutex<Peer<V>>>]>,
     spin: Spin,
 }
 
 impl<V: Verbs> RdmaLink<V> {
-    pub(crate) fn new(rank: usize, peer: usize, state: Peer<V>, spin: Spin) -> RdmaLink<V> {
+    pub(crate) fn new(
+        (rank, peer): (usize, usize),
+        state: PeerState<V>,
+        pairs: Arc<[Weak<Mutex<Peer<V>>>]>,
+        spin: Spin,
+    ) -> RdmaLink<V> {
         RdmaLink {
             rank,
             peer,
-            state: Mutex::new(state),
+            state,
+            pairs,
             spin,
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Peer<V>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes in the completions of the other pairs that nobody is driving
+    /// now; returns the first failure among them.
+    fn progress_others(&self) -> Result<()> {
+        for other in self.pairs.iter().filter_map(Weak::upgrade) {
+            if Arc::ptr_eq(&other, &self.state) {
+                continue;
+            }
+            let mut peer = match other.try_lock() {
+                Ok(peer) => peer,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            peer.progress()?;
+        }
+        Ok(())
     }
 
     /// Runs `step` after each poll of the completion queue until it says done.
@@ -75,6 +106,11 @@ impl<V: Verbs> RdmaLink<V> {
                 }
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
+            }
+            if sleep.is_none() {
+                if let Err(e) = self.progress_others() {
+                    return Poll::Ready(Err(e));
+                }
             }
             let s = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(nap)));
             match s.as_mut().poll(cx) {

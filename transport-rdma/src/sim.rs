@@ -18,8 +18,9 @@
 //!   immediate fill. A write with immediate and no receive posted waits,
 //!   then fails with receiver-not-ready, as RC's RNR retries do.
 //! * **A lost peer**: a write to a process that is gone, or to a queue pair
-//!   that was destroyed, fails with retry-exceeded; after an error every
-//!   later work request is flushed.
+//!   that was destroyed or went into the error state (which drops what
+//!   arrives, as hardware does), fails with retry-exceeded; after an error
+//!   every later work request is flushed.
 //! * **Faults** (`CCL_RDMA_SIM_FAULTS`, comma-separated): `reorder`
 //!   interleaves write and receive completions at random (each queue stays
 //!   in order, as in RC); `delay=N` holds every completion for N polls;
@@ -477,7 +478,10 @@ impl QueuePair for SimQp {
         } else {
             self.execute(write)
         };
-        self.failed |= status != Status::Success;
+        if status != Status::Success && !self.failed {
+            self.failed = true;
+            self.file.word(CLOSED).store(1, Ordering::Release);
+        }
         self.local.push_back((
             Completion::Write {
                 id: write.id,

@@ -321,6 +321,16 @@ fn a_remote_access_error_is_a_protocol_error_naming_the_peer_and_later_work_is_f
         other => panic!("{other}"),
     }
     assert!(a.failed().is_some());
+    // A queue pair in the error state drops what arrives, as hardware's
+    // does: the peer's keepalive finds it gone.
+    let e = first_error(2000, || {
+        std::thread::sleep(Duration::from_millis(1));
+        b.progress().and_then(|()| b.idle())
+    });
+    assert!(
+        matches!(&e, Error::PeerLost { rank: 1, peer: 0, cause, .. } if cause.contains("no longer answers")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -558,4 +568,54 @@ fn a_cache_without_room_keeps_registrations_only_while_held() {
     assert_ne!(c.rkey, a.rkey, "the next call registers anew");
     assert_eq!((cache.stats().hits, cache.stats().misses), (1, 2));
     cache.release(&nic, &c);
+}
+
+/// An eager send is done once posted, so its write can fail while the rank
+/// waits on another peer. That wait must end with the failure (the starved
+/// peer waits too, for data that will never come), not run into its deadline.
+#[test]
+fn a_write_that_fails_after_its_send_returned_ends_a_wait_on_another_peer() {
+    use ccl_core::{BufMut, BufRef, Link, Spin};
+
+    use crate::link::RdmaLink;
+
+    let fabric = Fabric::new();
+    let failing = Faults {
+        access_error_after: Some(1),
+        ..Faults::default()
+    };
+    let (x, _x_peer) = pair(&fabric, small(), [failing, Faults::default()]);
+    let (y, _y_peer) = pair(&fabric, small(), [Faults::default(); 2]);
+    let (x, y) = (Arc::new(Mutex::new(x)), Arc::new(Mutex::new(y)));
+    let pairs: Arc<[_]> = Arc::from([Arc::downgrade(&x), Arc::downgrade(&y)]);
+    let spin = Spin {
+        window: Duration::ZERO,
+        yield_between: false,
+        repoll: false,
+    };
+    let to_x = RdmaLink::new((0, 1), x, pairs.clone(), spin);
+    let to_y = RdmaLink::new((0, 2), y, pairs, spin);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let data = [5u8; 100];
+    let mut into = [0u8; 100];
+    let waited = runtime.block_on(async {
+        to_x.send(header(0, 100), BufRef::from_host(&data))
+            .await
+            .expect("an eager send returns once posted");
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            to_y.recv(header(0, 100), BufMut::from_host(&mut into)),
+        )
+        .await
+    });
+    match waited {
+        Ok(Err(Error::Protocol { peer: 1, msg, .. })) => {
+            assert!(msg.contains("remote access error"), "{msg}")
+        }
+        Ok(other) => panic!("the wait ended otherwise: {other:?}"),
+        Err(_) => panic!("the wait on rank 2 never saw the failed write to rank 1"),
+    }
 }
