@@ -310,7 +310,7 @@ impl Communicator {
         done: Done,
         inline: bool,
     ) {
-        let plan = match self.inner.selection.plan(coll, choice) {
+        let plan = match self.inner.selection.plan(coll, choice, io.layout()) {
             Ok(p) => p,
             Err(e) => return done(Err(e)),
         };

@@ -6,7 +6,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use ccl_algorithms::{Choice, Schedule, Tuner};
+use ccl_algorithms::{Choice, Layout, Schedule, Tuner};
 use ccl_core::{Collective, CollectiveKind, Error, LinkClass, Result};
 
 use crate::engine::Plan;
@@ -15,8 +15,8 @@ use crate::engine::Plan;
 const SCHEDULE_CACHE: usize = 64;
 
 /// What a cached schedule depends on besides the communicator: kind,
-/// algorithm, count, root, and whether the op finalizes.
-type ScheduleKey = (CollectiveKind, Choice, usize, usize, bool);
+/// algorithm, count, root, whether the op finalizes, and the buffers' layout.
+type ScheduleKey = (CollectiveKind, Choice, usize, usize, bool, Layout);
 
 /// A communicator's algorithm selection.
 pub(crate) struct Selection {
@@ -50,12 +50,20 @@ impl Selection {
         self.tuner.has_group_memory()
     }
 
-    /// The plan of `coll` with `choice`: a group algorithm, or a schedule.
-    pub(crate) fn plan(&self, coll: &Collective, choice: Choice) -> Result<Plan> {
+    /// The plan of `coll` with `choice` on buffers of `layout`: a group
+    /// algorithm, or a schedule.
+    pub(crate) fn plan(&self, coll: &Collective, choice: Choice, layout: Layout) -> Result<Plan> {
         if choice.algorithm.on_group_memory() {
             return Ok(Plan::Group(choice.algorithm));
         }
-        let key = (coll.kind, choice, coll.count, coll.root, coll.finalizes());
+        let key = (
+            coll.kind,
+            choice,
+            coll.count,
+            coll.root,
+            coll.finalizes(),
+            layout,
+        );
         let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = cache.get(&key) {
             return Ok(Plan::Schedule(s.clone()));
@@ -63,7 +71,7 @@ impl Selection {
         let piece = choice.piece_bytes.unwrap_or(self.piece_bytes) / coll.dtype.size();
         let schedule = choice
             .algorithm
-            .schedule(coll, self.rank, self.world_size, piece.max(1))
+            .schedule(coll, self.rank, self.world_size, piece.max(1), layout)
             .map_err(Error::Internal)?;
         let schedule = Arc::new(schedule);
         if cache.len() >= SCHEDULE_CACHE {

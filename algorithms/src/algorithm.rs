@@ -5,7 +5,11 @@ use std::fmt;
 
 use ccl_core::{Collective, CollectiveKind};
 
-use crate::{chain, dbtree, direct, doubling, halving, ring, schedule::Schedule, tree};
+use crate::{
+    chain, dbtree, direct, doubling, halving, ring,
+    schedule::{Layout, Schedule},
+    tree,
+};
 
 /// An algorithm that can build schedules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -215,16 +219,17 @@ impl std::str::FromStr for Choice {
 }
 
 impl Algorithm {
-    /// Rank `rank` of `world_size`'s schedule for `coll`, moving at most
-    /// `piece_elems` elements per message. Schedules are in elements: the
-    /// same one serves every element type and op (but whether the op
-    /// finalizes).
+    /// Rank `rank` of `world_size`'s schedule for `coll` on buffers of
+    /// `layout`, moving at most `piece_elems` elements per message.
+    /// Schedules are in elements: the same one serves every element type and
+    /// op (but whether the op finalizes).
     pub fn schedule(
         self,
         coll: &Collective,
         rank: usize,
         world_size: usize,
         piece_elems: usize,
+        layout: Layout,
     ) -> Result<Schedule, String> {
         let (r, n, c, p, root) = (rank, world_size, coll.count, piece_elems, coll.root);
         let finalize = coll.finalizes();
@@ -265,7 +270,7 @@ impl Algorithm {
             }
             (CollectiveKind::Broadcast, Algorithm::Chain) => chain::broadcast(r, n, root, c, p),
             (CollectiveKind::Reduce, Algorithm::Chain) => chain::reduce(r, n, root, c, p, finalize),
-            (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c),
+            (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c, layout),
             (CollectiveKind::Gather, Algorithm::Linear) => direct::gather(r, n, root, c),
             (CollectiveKind::Scatter, Algorithm::Linear) => direct::scatter(r, n, root, c),
             (CollectiveKind::Barrier, Algorithm::Dissemination) => direct::barrier(r, n),

@@ -1,7 +1,7 @@
 //! Algorithms where ranks talk to their peers directly: one-shot allreduce,
 //! pairwise all-to-all, linear gather and scatter, and the dissemination barrier.
 
-use crate::schedule::{pieces, split_even, Action, BufId, Builder, Region, Schedule};
+use crate::schedule::{pieces, split_even, Action, BufId, Builder, Layout, Region, Schedule};
 
 /// Direct allreduce: rank r owns block r of the buffer. It receives block r
 /// from every peer and reduces it (peers in the order r+1, r+2, ..., so each
@@ -69,16 +69,17 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
 /// All-to-all: block p of the input goes to rank p; block p of the output comes from rank p.
 ///
 /// At step s rank r sends to r+s and receives from r-s, so every pair talks at
-/// once without contention. Blocks arrive in scratch memory and are copied to
-/// the output once the block they overwrite has been sent: a receive never
-/// waits for a send, which matters on links where a send completes only once
-/// the peer has taken the data (shared memory by reference, RDMA).
-pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
-    let mut b = Builder::new();
+/// once without contention. A receive never waits for a send, which matters
+/// on links where a send completes only once the peer has taken the data
+/// (TCP past its socket buffers, shared memory by reference, RDMA): out of
+/// place blocks arrive straight in the output; in place they arrive in
+/// scratch memory and are copied to the output once the block they
+/// overwrite has been sent.
+pub fn alltoall(rank: usize, n: usize, count: usize, layout: Layout) -> Schedule {
+    let mut b = Builder::for_layout(layout);
     let inp = |i: usize| Region::new(BufId::Input, i * count, count);
     let out = |i: usize| Region::new(BufId::Output, i * count, count);
     let tmp = |i: usize| Region::new(BufId::Scratch, i * count, count);
-    b.scratch(n * count);
     b.push(Action::Copy {
         src: inp(rank),
         dst: out(rank),
@@ -90,13 +91,21 @@ pub fn alltoall(rank: usize, n: usize, count: usize) -> Schedule {
             src: inp(to),
         });
     }
+    let land = |i: usize| match layout {
+        Layout::OutOfPlace => out(i),
+        Layout::InPlace => tmp(i),
+    };
     for s in 1..n {
         let from = (rank + n - s) % n;
         b.push(Action::Recv {
             peer: from,
-            dst: tmp(from),
+            dst: land(from),
         });
     }
+    if layout == Layout::OutOfPlace {
+        return b.finish();
+    }
+    b.scratch(n * count);
     for s in 1..n {
         let from = (rank + n - s) % n;
         b.push(Action::Copy {

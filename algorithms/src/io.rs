@@ -5,6 +5,8 @@ use std::marker::PhantomData;
 
 use ccl_core::{BufMut, BufRef, Error, Kernels, MemoryKind, Result, HOST_KERNELS};
 
+use crate::schedule::Layout;
+
 /// An address and a length in bytes.
 type Piece = (*mut u8, usize);
 
@@ -191,6 +193,25 @@ impl IoBuffers<'_> {
             _ => Err(Error::Internal(
                 "a schedule runs on one buffer, not on several taken end to end".into(),
             )),
+        }
+    }
+
+    /// Whether input and output share memory.
+    pub fn layout(&self) -> Layout {
+        let overlap = |&(a, alen): &Piece, &(b, blen): &Piece| {
+            let (a, b) = (a as usize, b as usize);
+            alen > 0 && blen > 0 && a < b + blen && b < a + alen
+        };
+        let inputs = self.input.pieces();
+        let shared = self
+            .output
+            .pieces()
+            .iter()
+            .any(|o| inputs.iter().any(|i| overlap(i, o)));
+        if shared {
+            Layout::InPlace
+        } else {
+            Layout::OutOfPlace
         }
     }
 

@@ -29,5 +29,5 @@ pub use algorithm::{Algorithm, Choice};
 pub use direct::transfer;
 pub use executor::{execute, SEND_DRAIN};
 pub use io::IoBuffers;
-pub use schedule::{Action, BufId, Builder, Op, Region, Schedule};
+pub use schedule::{Action, BufId, Builder, Layout, Op, Region, Schedule};
 pub use tuner::{Overrides, Table, Tuner};

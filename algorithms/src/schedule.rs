@@ -20,6 +20,16 @@ pub enum BufId {
     Scratch,
 }
 
+/// Whether a call's input and output share memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Layout {
+    /// Input and output are distinct memory.
+    OutOfPlace,
+    /// The input is (a part of) the output, or the output of the input, at
+    /// the block the collective defines for in-place calls.
+    InPlace,
+}
+
 /// A region of a buffer, in elements.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Region {
@@ -45,20 +55,27 @@ impl Region {
         Region::new(self.buf, self.offset + offset, len)
     }
 
-    /// True if the two regions may share memory. Input and output are treated
-    /// as one address space because in-place calls pass the same memory.
-    fn overlaps(&self, other: &Region) -> bool {
-        let space = |b: BufId| b == BufId::Scratch;
-        space(self.buf) == space(other.buf)
+    /// Whether the two regions lie in one address space: scratch is one;
+    /// input and output are one unless `layout` says they are distinct
+    /// (in-place calls pass the same memory).
+    fn shares_space(&self, other: &Region, layout: Layout) -> bool {
+        match layout {
+            Layout::OutOfPlace => self.buf == other.buf,
+            Layout::InPlace => (self.buf == BufId::Scratch) == (other.buf == BufId::Scratch),
+        }
+    }
+
+    /// True if the two regions may share memory.
+    fn overlaps(&self, other: &Region, layout: Layout) -> bool {
+        self.shares_space(other, layout)
             && self.len > 0
             && other.len > 0
             && self.offset < other.offset + other.len
             && other.offset < self.offset + self.len
     }
 
-    fn covers(&self, other: &Region) -> bool {
-        let space = |b: BufId| b == BufId::Scratch;
-        space(self.buf) == space(other.buf)
+    fn covers(&self, other: &Region, layout: Layout) -> bool {
+        self.shares_space(other, layout)
             && self.offset <= other.offset
             && other.offset + other.len <= self.offset + self.len
     }
@@ -133,15 +150,31 @@ pub struct Schedule {
 /// Builds a [`Schedule`], inferring dependencies from the regions ops touch:
 /// an op waits for every earlier op that writes what it reads or writes, and
 /// for every earlier op that reads what it writes.
-#[derive(Default)]
 pub struct Builder {
     schedule: Schedule,
+    layout: Layout,
+}
+
+impl Default for Builder {
+    fn default() -> Builder {
+        Builder::new()
+    }
 }
 
 impl Builder {
-    /// An empty schedule.
+    /// An empty schedule that runs in place or out of place alike (input
+    /// and output are taken as one memory).
     pub fn new() -> Builder {
-        Builder::default()
+        Builder::for_layout(Layout::InPlace)
+    }
+
+    /// An empty schedule for calls of `layout` only: out of place, ops on
+    /// the input never wait for ops on the output.
+    pub fn for_layout(layout: Layout) -> Builder {
+        Builder {
+            schedule: Schedule::default(),
+            layout,
+        }
     }
 
     /// Makes sure scratch has at least `elems` elements.
@@ -157,24 +190,28 @@ impl Builder {
     /// Appends an op that also waits for `extra` (for orderings no buffer shows,
     /// such as the rounds of a barrier).
     pub fn push_after(&mut self, action: Action, extra: &[u32]) -> u32 {
-        let reads = action.reads();
-        let write = action.writes();
+        let (reads, write, layout) = (action.reads(), action.writes(), self.layout);
         let mut deps: Vec<u32> = extra.to_vec();
         for (i, prev) in self.schedule.ops.iter().enumerate().rev() {
             let pw = prev.action.writes();
             let conflict = pw.is_some_and(|w| {
-                reads.iter().flatten().any(|r| w.overlaps(r))
-                    || write.is_some_and(|x| w.overlaps(&x))
-            }) || write
-                .is_some_and(|x| prev.action.reads().iter().flatten().any(|r| r.overlaps(&x)));
+                reads.iter().flatten().any(|r| w.overlaps(r, layout))
+                    || write.is_some_and(|x| w.overlaps(&x, layout))
+            }) || write.is_some_and(|x| {
+                prev.action
+                    .reads()
+                    .iter()
+                    .flatten()
+                    .any(|r| r.overlaps(&x, layout))
+            });
             if conflict {
                 deps.push(i as u32);
                 // Everything earlier that conflicts with this op also conflicts
                 // with `prev` (which writes all of this op's footprint), so
                 // `prev` already waits for it.
                 let footprint_covered = pw.is_some_and(|w| {
-                    reads.iter().flatten().all(|r| w.covers(r))
-                        && write.is_none_or(|x| w.covers(&x))
+                    reads.iter().flatten().all(|r| w.covers(r, layout))
+                        && write.is_none_or(|x| w.covers(&x, layout))
                 });
                 if footprint_covered {
                     break;
@@ -301,6 +338,29 @@ mod tests {
         let sch = b.finish();
         assert_eq!(sch.ops[r as usize].deps, vec![s]);
         assert!(sch.ops[x as usize].deps.is_empty());
+    }
+
+    /// Out of place, input and output are distinct memory: a receive into
+    /// the output does not wait for a send of the same offsets of the input.
+    #[test]
+    fn out_of_place_input_and_output_do_not_conflict() {
+        let mut b = Builder::for_layout(Layout::OutOfPlace);
+        b.push(Action::Send {
+            peer: 1,
+            src: Region::new(IN, 0, 4),
+        });
+        let r = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(OUT, 0, 4),
+        });
+        let c = b.push(Action::Copy {
+            src: Region::new(OUT, 2, 2),
+            dst: Region::new(IN, 2, 2),
+        });
+        let sch = b.finish();
+        assert!(sch.ops[r as usize].deps.is_empty());
+        // Within one buffer the data still orders the ops.
+        assert_eq!(sch.ops[c as usize].deps, vec![0, r]);
     }
 
     #[test]

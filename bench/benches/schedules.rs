@@ -5,7 +5,7 @@
 
 use std::{hint::black_box, time::Duration};
 
-use ccl_algorithms::Algorithm;
+use ccl_algorithms::{Algorithm, Layout};
 use ccl_core::{Collective, CollectiveKind, DataType};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 
@@ -31,8 +31,14 @@ fn schedules(c: &mut Criterion) {
                     let id = BenchmarkId::new(algo.name(), format!("n{world_size}/c{count}"));
                     group.bench_with_input(id, &coll, |b, coll| {
                         b.iter(|| {
-                            algo.schedule(black_box(coll), rank, world_size, PIECE_ELEMS)
-                                .expect("valid call")
+                            algo.schedule(
+                                black_box(coll),
+                                rank,
+                                world_size,
+                                PIECE_ELEMS,
+                                Layout::OutOfPlace,
+                            )
+                            .expect("valid call")
                         })
                     });
                 }

@@ -34,7 +34,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Schedule};
+use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Layout, Schedule};
 use ccl_core::{
     frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, Event, FrameHeader,
     GroupMemory, Link, Result, Scratch, Spin, Store,
@@ -229,7 +229,7 @@ impl Shared {
             ..*call
         };
         let schedule = Algorithm::Ring
-            .schedule(&check.coll, self.rank, n, HEADER_LEN)
+            .schedule(&check.coll, self.rank, n, HEADER_LEN, Layout::OutOfPlace)
             .map_err(Error::Internal)?;
         let input = mine.encode();
         let mut all = vec![0u8; n * HEADER_LEN];

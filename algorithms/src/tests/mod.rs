@@ -15,21 +15,12 @@ use ccl_core::{
 };
 use futures::future::join_all;
 
-use crate::{execute, group, Algorithm, IoBuffers};
+use crate::{execute, group, Algorithm, IoBuffers, Layout};
 use ccl_core::loopback::mesh;
 
 /// Distinct value that rank r contributes at index i.
 fn val(r: usize, i: usize) -> u64 {
     (r as u64 + 1) * 1_000_003 + i as u64 * 7
-}
-
-/// How a rank lays out its buffers for a run.
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Layout {
-    OutOfPlace,
-    /// The input is the same memory as (a part of) the output, or the output of the input,
-    /// at the offset the collective defines for in-place calls.
-    InPlace,
 }
 
 /// Runs one collective on every rank; returns each rank's output.
@@ -189,8 +180,11 @@ fn run_on(
         let all = join_all(memory.iter_mut().enumerate().map(|(rank, mem)| {
             let links = &links[rank];
             async move {
-                let schedule = algorithm.schedule(&coll, rank, n, piece).unwrap();
-                execute(&schedule, mem.io(), links, &call(rank), &mut None, None).await
+                let io = mem.io();
+                let schedule = algorithm
+                    .schedule(&coll, rank, n, piece, io.layout())
+                    .unwrap();
+                execute(&schedule, io, links, &call(rank), &mut None, None).await
             }
         }));
         rt.block_on(async { tokio::time::timeout(limit, all).await })
@@ -610,7 +604,9 @@ fn mismatched_calls_are_reported() {
         async move {
             let count = 4 + rank;
             let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, count);
-            let schedule = Algorithm::Ring.schedule(&coll, rank, 2, 64).unwrap();
+            let schedule = Algorithm::Ring
+                .schedule(&coll, rank, 2, 64, Layout::OutOfPlace)
+                .unwrap();
             let call = Call {
                 comm: 1,
                 seq: 3,
@@ -647,7 +643,9 @@ fn mismatched_calls_are_reported() {
 #[test]
 fn bad_schedules_are_rejected_before_running() {
     let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, 8);
-    let schedule = Algorithm::Ring.schedule(&coll, 0, 2, 64).unwrap();
+    let schedule = Algorithm::Ring
+        .schedule(&coll, 0, 2, 64, Layout::InPlace)
+        .unwrap();
     let call = Call {
         comm: 1,
         seq: 1,
@@ -671,8 +669,12 @@ fn bad_schedules_are_rejected_before_running() {
         .unwrap_err();
     assert!(matches!(e, Error::Internal(_)), "{e}");
     assert!(Algorithm::Ring
-        .schedule(&coll.with_root(5), 0, 2, 64)
+        .schedule(&coll.with_root(5), 0, 2, 64, Layout::InPlace)
         .is_err());
-    assert!(Algorithm::BinomialTree.schedule(&coll, 0, 2, 64).is_err());
-    assert!(Algorithm::Board.schedule(&coll, 0, 2, 64).is_err());
+    assert!(Algorithm::BinomialTree
+        .schedule(&coll, 0, 2, 64, Layout::InPlace)
+        .is_err());
+    assert!(Algorithm::Board
+        .schedule(&coll, 0, 2, 64, Layout::InPlace)
+        .is_err());
 }
