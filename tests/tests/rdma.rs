@@ -242,15 +242,13 @@ fn every_collective_runs_over_a_real_rdma_device() {
 /// The modelled line rate of a 64 MiB ring allreduce over 4 ranks on the
 /// simulated fabric's model (100 Gbit/s, 2 µs, see `sim`), timed by the
 /// model's clock, not the wall clock, in bus bandwidth (2(n−1)/n · bytes /
-/// time, as nccl-tests count it). The figure is printed, not held to the
-/// issue's 90%: the processes' clocks are not synchronised, so a write
-/// posted late in real time can reach a receiver whose clock has moved past
-/// it, and the figure depends on how the processes were scheduled (76–87%
-/// alone on the project's 2-core VM; see docs/DESIGN.md). What is checked is what
-/// holds whatever the schedule: the results are right and no run beats the
-/// modelled line.
+/// time, as nccl-tests count it), held to issue 23's target of 90% and
+/// never above the line. The processes' clocks are kept consistent (see
+/// `sim`), so the figure is the protocol's alone, whatever the schedule of
+/// the processes on the machine: 95.4% in every run so far. What costs the
+/// rest is the rendezvous per 1 MiB piece (docs/DESIGN.md).
 #[test]
-fn a_64_mib_ring_allreduce_reports_its_modelled_line_rate() {
+fn a_64_mib_ring_allreduce_keeps_90_percent_of_the_modelled_line() {
     let fabric = Fabric::new("model");
     let (n, count) = (4usize, 16usize << 20);
     let out = launch(
@@ -285,8 +283,8 @@ fn a_64_mib_ring_allreduce_reports_its_modelled_line_rate() {
         share * 100.0
     );
     assert!(
-        share <= 1.0,
-        "{:.1}% of the modelled line rate",
+        (0.9..=1.0).contains(&share),
+        "{:.1}% of the modelled line rate (target: at least 90%, at most the line)",
         share * 100.0
     );
 }

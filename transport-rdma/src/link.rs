@@ -2,10 +2,11 @@
 //! link's futures. A waiting future polls the completion queue for the spin
 //! window, then sleeps in short, growing steps (up to 1 ms) between polls.
 //! A dropped send or receive is cancelled in the protocol, which fails the
-//! pair if it was in the middle of a message. A future that sleeps first
-//! takes in the other pairs' completions too: an eager send is done once
-//! posted, so its write can fail while the rank waits on another peer, and
-//! that failure must end the wait (the peer it starved is waiting too).
+//! pair if it was in the middle of a message. Each time a waiting future
+//! polls its pair it takes in the other pairs' completions too: an eager
+//! send is done once posted, so its write can fail while the rank waits on
+//! another peer, and that failure must end the wait (the peer it starved is
+//! waiting too).
 
 use std::{
     future::{poll_fn, Future},
@@ -100,17 +101,18 @@ impl<V: Verbs> RdmaLink<V> {
                     Ok(false) => {}
                 }
             }
+            // Completions of other pairs are taken in while this one waits:
+            // a failure there ends this wait, and what they finished frees
+            // their resources without waiting for a call on them.
+            if let Err(e) = self.progress_others() {
+                return Poll::Ready(Err(e));
+            }
             if started.elapsed() < self.spin.window {
                 if self.spin.yield_between {
                     std::thread::yield_now();
                 }
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
-            }
-            if sleep.is_none() {
-                if let Err(e) = self.progress_others() {
-                    return Poll::Ready(Err(e));
-                }
             }
             let s = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(nap)));
             match s.as_mut().poll(cx) {

@@ -30,13 +30,24 @@
 //!   would arrive on a modelled link of [`LINE_BYTES_PER_NS`] (100 Gbit/s)
 //!   and [`LATENCY_NS`] (2 µs) latency, each queue pair's sends sharing one
 //!   port. A completion is handed out only once the process's clock has
-//!   reached its stamp (each queue in order); when every queue the process
-//!   polls has nothing due, the clock moves on to the earliest event it
-//!   holds. Computation and copies in memory cost nothing in the model.
-//!   The processes' clocks are not synchronised: a peer that posts a write
-//!   later in real time than its modelled time may find the receiver's
-//!   clock already past it, which makes the model pessimistic, never
-//!   faster than the line.
+//!   reached its stamp (each queue in order). Computation and copies in
+//!   memory cost nothing in the model.
+//! * **The clocks agree** as in a conservative parallel discrete-event
+//!   simulation. Each process publishes its clock in `clock-<pid>`. When
+//!   every queue it polls has had nothing due for a few polls, its clock
+//!   moves on to the earliest event it holds, but never past a connected
+//!   peer's clock plus the latency: a write the peer has not posted yet
+//!   arrives no earlier. Held there, the clock moves to that bound, and the
+//!   poll waits a little for the peers to move. Processes that are all idle
+//!   would hold each other in steps of the latency; so each also publishes
+//!   whether it is idle, its next event, and how many writes with immediate
+//!   it has put in queues and counted in its own. When a read of every
+//!   connected process, taken twice the same, finds the counts even (nothing
+//!   in flight), the bound is the earliest time any of them acts next plus
+//!   the latency. A clock held for [`STALL_LIMIT`] of real time (a peer
+//!   that stopped polling) moves on anyway, and once a peer's process is
+//!   gone the clock runs free: the model can then only be pessimistic,
+//!   never faster than the line.
 
 use std::{
     collections::VecDeque,
@@ -47,8 +58,8 @@ use std::{
     path::{Path, PathBuf},
     ptr::NonNull,
     sync::{
-        atomic::{AtomicU32, AtomicU64, Ordering},
-        Arc, Mutex,
+        atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering},
+        Arc, Mutex, OnceLock, Weak,
     },
     time::{Duration, Instant},
 };
@@ -72,20 +83,249 @@ const TAKEN: usize = 1;
 const CQ_HEAD: usize = 2;
 const CQ_TAIL: usize = 3;
 const CLOSED: usize = 4;
+/// Completions this process has counted as arrived in the queue (its
+/// `RECEIVED`), and the earliest stamp it holds taken in but not handed out.
+const COUNTED: usize = 5;
+const HELD_MIN: usize = 6;
 
-/// This process's modelled clock, in nanoseconds.
-static CLOCK: AtomicU64 = AtomicU64::new(0);
+/// This process's modelled clock, in nanoseconds, published for its peers
+/// in `clock-<pid>` under the first fabric directory it opened.
+static CLOCK_FILE: OnceLock<Map> = OnceLock::new();
+/// The clock before any NIC is open (nothing moves it).
+static CLOCK_UNPUBLISHED: AtomicU64 = AtomicU64::new(0);
 /// Polls in a row that found nothing due, and the earliest event they saw.
 static IDLE_POLLS: AtomicU32 = AtomicU32::new(0);
 static NEXT_EVENT: AtomicU64 = AtomicU64::new(u64::MAX);
 /// Empty polls after which the clock moves to the earliest event held (the
 /// process has nothing due on any queue it waits on).
 const IDLE_POLLS_BEFORE_JUMP: u32 = 8;
+/// Real time a poll held back by peers' clocks waits for them to move.
+const HELD_SPIN: Duration = Duration::from_micros(200);
+/// Real time peers' clocks may hold this process's back before it moves on.
+pub const STALL_LIMIT: Duration = Duration::from_millis(50);
+/// Since when a peer's clock has held this process's clock back.
+static STALLED_SINCE: Mutex<Option<Instant>> = Mutex::new(None);
+/// Every connected queue pair of this process: its own file and the peer's side.
+static PAIRS: Mutex<Vec<(Weak<Map>, Weak<RemoteQp>)>> = Mutex::new(Vec::new());
 static NEXT_QPN: AtomicU32 = AtomicU32::new(1);
+
+/// Words of a process's published clock file: its clock; a version, odd
+/// while the words after it change; whether it is idle (polled with nothing
+/// due) and its next event then; writes with immediate it has put in peers'
+/// queues; completions it has taken from its own queues.
+const CLOCK_WORD: usize = 0;
+const VERSION: usize = 1;
+const IDLE: usize = 2;
+const NEXT: usize = 3;
+const SENT: usize = 4;
+const RECEIVED: usize = 5;
+const CLOCK_FILE_LEN: usize = 64;
+
+/// This process's clock word.
+fn clock() -> &'static AtomicU64 {
+    CLOCK_FILE
+        .get()
+        .map_or(&CLOCK_UNPUBLISHED, |m| m.word(CLOCK_WORD))
+}
+
+/// Changes this process's published state with `change` (between two
+/// steps of its version, so that a reader sees all of it or none).
+fn publish(change: impl FnOnce(&Map)) {
+    static WRITER: Mutex<()> = Mutex::new(());
+    let Some(m) = CLOCK_FILE.get() else {
+        return;
+    };
+    let _one_writer = WRITER.lock().unwrap_or_else(|p| p.into_inner());
+    let v = m.word(VERSION).load(Ordering::Relaxed);
+    m.word(VERSION).store(v + 1, Ordering::Relaxed);
+    fence(Ordering::Release);
+    change(m);
+    m.word(VERSION).store(v + 2, Ordering::Release);
+}
+
+/// Publishes that this process may act now (at its clock).
+fn publish_busy() {
+    if CLOCK_FILE
+        .get()
+        .is_some_and(|m| m.word(IDLE).load(Ordering::Relaxed) != 0)
+    {
+        publish(|m| m.word(IDLE).store(0, Ordering::Relaxed));
+    }
+}
+
+/// Publishes that this process is idle until `next`, its next event.
+fn publish_idle(next: u64) {
+    if CLOCK_FILE.get().is_some_and(|m| {
+        m.word(IDLE).load(Ordering::Relaxed) == 0 || m.word(NEXT).load(Ordering::Relaxed) != next
+    }) {
+        publish(|m| {
+            m.word(NEXT).store(next, Ordering::Relaxed);
+            m.word(IDLE).store(1, Ordering::Relaxed);
+        });
+    }
+}
+
+/// A process's published state, read whole: `(version, clock, idle, next,
+/// sent, received)`, or `None` while it changes.
+fn read_published(m: &Map) -> Option<(u64, u64, bool, u64, u64, u64)> {
+    let v = m.word(VERSION).load(Ordering::Acquire);
+    if v % 2 == 1 {
+        return None;
+    }
+    let w = |i: usize| m.word(i).load(Ordering::Relaxed);
+    let state = (
+        v,
+        w(CLOCK_WORD),
+        w(IDLE) != 0,
+        w(NEXT),
+        w(SENT),
+        w(RECEIVED),
+    );
+    fence(Ordering::Acquire);
+    (m.word(VERSION).load(Ordering::Relaxed) == v).then_some(state)
+}
+
+/// Moves this process's clock to `t` if that is later.
+fn advance(t: u64) {
+    clock().fetch_max(t, Ordering::AcqRel);
+}
 
 /// The modelled time of this process (see the module docs).
 pub fn modelled_ns() -> u64 {
-    CLOCK.load(Ordering::Relaxed)
+    clock().load(Ordering::Acquire)
+}
+
+/// The latest time this process's clock may reach without passing what a
+/// live peer could still send, and the earliest completion that peers have
+/// already put in this process's queues but no poll has taken yet. The
+/// peers' clocks are read first: a write a peer posted before its clock
+/// reached the value read is then in the queue read after.
+fn conservative_bound() -> (u64, u64) {
+    let me = std::process::id() as i32;
+    let mut pairs = PAIRS.lock().unwrap_or_else(|p| p.into_inner());
+    pairs.retain(|(own, remote)| own.strong_count() > 0 && remote.strong_count() > 0);
+    let live: Vec<(Arc<Map>, Arc<RemoteQp>)> = pairs
+        .iter()
+        .filter_map(|(own, remote)| Some((own.upgrade()?, remote.upgrade()?)))
+        .collect();
+    drop(pairs);
+    let mut bound = u64::MAX;
+    for (own, remote) in &live {
+        let Some(peer_clock) = remote.clock.as_ref() else {
+            continue;
+        };
+        if remote.pid == me
+            || FREE_RUNNING.load(Ordering::Relaxed)
+            || own.word(CLOSED).load(Ordering::Acquire) != 0
+            || remote.qp.word(CLOSED).load(Ordering::Acquire) != 0
+        {
+            continue;
+        }
+        let t = peer_clock.word(CLOCK_WORD).load(Ordering::Acquire);
+        bound = bound.min(t.saturating_add(LATENCY_NS));
+    }
+    let mut pending = u64::MAX;
+    for (own, _) in &live {
+        let head = count_arrived(own);
+        let tail = own.word(CQ_TAIL).load(Ordering::Relaxed);
+        if tail < head {
+            let e = QP_HEAD / 8 + (tail as usize % CQ_LEN) * 4;
+            pending = pending.min(own.word(e + 1).load(Ordering::Relaxed));
+        }
+        pending = pending.min(own.word(HELD_MIN).load(Ordering::Relaxed));
+    }
+    (bound, pending)
+}
+
+/// Counts in `RECEIVED` the completions that reached queue `qp` since it
+/// was last counted (the writer counted each in its `SENT` before); its head.
+fn count_arrived(qp: &Map) -> u64 {
+    let head = qp.word(CQ_HEAD).load(Ordering::Acquire);
+    let before = qp.word(COUNTED).fetch_max(head, Ordering::AcqRel);
+    if head > before {
+        publish(|m| {
+            m.word(RECEIVED).fetch_add(head - before, Ordering::Relaxed);
+            m.word(IDLE).store(0, Ordering::Relaxed);
+        });
+    }
+    head
+}
+
+/// When every connected process is idle or its clock is known and no write
+/// with immediate is in flight between them (what they put in queues
+/// equals what they took), read twice the same so that all of it held at
+/// one instant: the earliest that any of them can act, plus the latency.
+/// An idle process acts next at its next event or on a completion from
+/// another, so this is the time before which none can reach this process,
+/// even when each holds the others' clocks back (see the module docs).
+fn snapshot_bound() -> Option<u64> {
+    let me = std::process::id() as i32;
+    let own = CLOCK_FILE.get()?;
+    let mut peers: Vec<Arc<RemoteQp>> = Vec::new();
+    for (o, r) in PAIRS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let (Some(o), Some(r)) = (o.upgrade(), r.upgrade()) else {
+            continue;
+        };
+        if r.pid != me
+            && r.clock.is_some()
+            && o.word(CLOSED).load(Ordering::Acquire) == 0
+            && r.qp.word(CLOSED).load(Ordering::Acquire) == 0
+            && !peers.iter().any(|p| p.pid == r.pid)
+        {
+            peers.push(r);
+        }
+    }
+    let maps: Vec<&Map> = std::iter::once(own)
+        .chain(peers.iter().filter_map(|p| p.clock.as_ref()))
+        .collect();
+    let first: Vec<_> = maps
+        .iter()
+        .map(|m| read_published(m))
+        .collect::<Option<_>>()?;
+    let same = maps
+        .iter()
+        .zip(&first)
+        .all(|(m, f)| m.word(VERSION).load(Ordering::Acquire) == f.0);
+    let (sent, received) = first
+        .iter()
+        .fold((0u64, 0u64), |(s, r), f| (s + f.4, r + f.5));
+    if !same || sent != received {
+        return None;
+    }
+    first[1..]
+        .iter()
+        .map(|&(_, clock, idle, next, _, _)| if idle { next.max(clock) } else { clock })
+        .min()
+        .map(|t| t.saturating_add(LATENCY_NS))
+}
+
+/// Whether a peer of this process was found gone: its clock then runs free
+/// (a job that lost a rank is failing; its timing no longer matters, and the
+/// survivors' counts of what is in flight no longer add up).
+static FREE_RUNNING: AtomicBool = AtomicBool::new(false);
+
+/// Lets this process's clock run free if a peer's process is gone.
+fn check_for_gone_peers() {
+    let pairs = PAIRS.lock().unwrap_or_else(|p| p.into_inner());
+    if pairs
+        .iter()
+        .filter_map(|(_, r)| r.upgrade())
+        .any(|r| !alive(r.pid))
+    {
+        FREE_RUNNING.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Whether peers' clocks have held this process's next event back for
+/// longer than [`STALL_LIMIT`] (`held`: they hold it now; otherwise the
+/// count starts again).
+fn stalled_too_long(held: bool) -> bool {
+    let mut since = STALLED_SINCE.lock().unwrap_or_else(|p| p.into_inner());
+    if !held {
+        *since = None;
+        return false;
+    }
+    since.get_or_insert_with(Instant::now).elapsed() > STALL_LIMIT
 }
 
 /// A file mapped shared, of u64 words.
@@ -214,6 +454,7 @@ impl SimNic {
         let path = dir.join(format!("nic-{}-{number}", std::process::id()));
         let table = Map::create(&path, REGIONS * 32)
             .map_err(|e| format!("simulated fabric: {}: {e}", path.display()))?;
+        publish_clock(dir)?;
         Ok(SimNic(Arc::new(NicInner {
             dir: dir.to_path_buf(),
             number,
@@ -223,6 +464,21 @@ impl SimNic {
             imm_writes: AtomicU64::new(0),
         })))
     }
+}
+
+/// Creates this process's published clock under `dir`, once.
+fn publish_clock(dir: &Path) -> Result<(), String> {
+    static CREATING: Mutex<()> = Mutex::new(());
+    let _guard = CREATING.lock().unwrap_or_else(|p| p.into_inner());
+    if CLOCK_FILE.get().is_none() {
+        let path = dir.join(format!("clock-{}", std::process::id()));
+        let map = Map::create(&path, CLOCK_FILE_LEN)
+            .map_err(|e| format!("simulated fabric: {}: {e}", path.display()))?;
+        map.word(CLOCK_WORD)
+            .store(CLOCK_UNPUBLISHED.load(Ordering::Relaxed), Ordering::Release);
+        let _ = CLOCK_FILE.set(map);
+    }
+    Ok(())
 }
 
 /// Whether `rkey` lets a peer write `[addr, addr + len)` of the memory
@@ -293,7 +549,7 @@ impl Verbs for SimNic {
         Ok(SimQp {
             nic: self.0.clone(),
             qpn,
-            file,
+            file: Arc::new(file),
             remote: None,
             egress_free: 0,
             local: VecDeque::new(),
@@ -309,14 +565,16 @@ struct RemoteQp {
     pid: i32,
     qp: Map,
     table: Map,
+    /// The peer process's published clock (none if it published none).
+    clock: Option<Map>,
 }
 
 /// A simulated RC queue pair (see the module docs).
 pub struct SimQp {
     nic: Arc<NicInner>,
     qpn: u32,
-    file: Map,
-    remote: Option<RemoteQp>,
+    file: Arc<Map>,
+    remote: Option<Arc<RemoteQp>>,
     /// When this queue pair's path is free again, in modelled time.
     egress_free: u64,
     local: VecDeque<(Completion, u64)>,
@@ -341,7 +599,7 @@ fn alive(pid: i32) -> bool {
 impl SimQp {
     /// Modelled (arrival at the peer, acknowledgement here) of `len` bytes sent now.
     fn model(egress_free: &mut u64, len: usize) -> (u64, u64) {
-        let now = CLOCK.load(Ordering::Relaxed);
+        let now = clock().load(Ordering::Acquire);
         let wire = (len as f64 / LINE_BYTES_PER_NS).ceil() as u64;
         let done = (*egress_free).max(now) + wire;
         *egress_free = done;
@@ -352,7 +610,7 @@ impl SimQp {
     /// failure too is known only after a round trip).
     fn execute(&mut self, w: &Write) -> (Status, u64) {
         let (status, stamp) = self.attempt(w);
-        let now = CLOCK.load(Ordering::Relaxed);
+        let now = clock().load(Ordering::Acquire);
         match status {
             Status::Success => (status, stamp),
             // A NIC gives up on a peer that stopped answering only after its
@@ -422,6 +680,11 @@ impl SimQp {
                 std::thread::yield_now();
             }
             remote.qp.word(TAKEN).fetch_add(1, Ordering::Relaxed);
+            // Counted before it can arrive, so that the count of what the
+            // processes sent never trails the count of what arrived.
+            publish(|m| {
+                m.word(SENT).fetch_add(1, Ordering::Relaxed);
+            });
             let head = remote.qp.word(CQ_HEAD).load(Ordering::Relaxed);
             let e = QP_HEAD / 8 + (head as usize % CQ_LEN) * 4;
             remote
@@ -464,15 +727,22 @@ impl QueuePair for SimQp {
         let open = |p: &Path, len| {
             Map::open(p, len).map_err(|e| format!("simulated fabric: {}: {e}", p.display()))
         };
-        self.remote = Some(RemoteQp {
+        let remote = Arc::new(RemoteQp {
             pid: pid as i32,
             qp: open(&qp_path, QP_HEAD + CQ_LEN * 32)?,
             table: open(&nic_path, REGIONS * 32)?,
+            clock: Map::open(&self.nic.dir.join(format!("clock-{pid}")), CLOCK_FILE_LEN).ok(),
         });
+        PAIRS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((Arc::downgrade(&self.file), Arc::downgrade(&remote)));
+        self.remote = Some(remote);
         Ok(())
     }
 
     fn post_write(&mut self, write: &Write) -> Result<(), String> {
+        publish_busy();
         let (status, stamp) = if self.failed {
             (Status::Flushed, 0)
         } else {
@@ -489,6 +759,15 @@ impl QueuePair for SimQp {
             },
             stamp,
         ));
+        if self.local.len() == 1
+            && !self
+                .held
+                .iter()
+                .any(|h| matches!(h.0, Completion::Write { .. }))
+        {
+            // The first write completion waiting here.
+            self.file.word(HELD_MIN).fetch_min(stamp, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -498,7 +777,23 @@ impl QueuePair for SimQp {
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>) {
-        let head = self.file.word(CQ_HEAD).load(Ordering::Acquire);
+        self.take(out);
+        // Each queue hands out in order: what comes first in each.
+        let first = |write: bool| {
+            self.held
+                .iter()
+                .find(|h| matches!(h.0, Completion::Write { .. }) == write)
+                .map_or(u64::MAX, |h| h.1)
+        };
+        let held_min = first(true).min(first(false));
+        self.file.word(HELD_MIN).store(held_min, Ordering::Relaxed);
+    }
+}
+
+impl SimQp {
+    /// Takes in what arrived and hands out what the clock has reached.
+    fn take(&mut self, out: &mut Vec<Completion>) {
+        let head = count_arrived(&self.file);
         let mut tail = self.file.word(CQ_TAIL).load(Ordering::Relaxed);
         let mut fresh: Vec<(Completion, u64)> = self.local.drain(..).collect();
         while tail < head {
@@ -520,7 +815,7 @@ impl QueuePair for SimQp {
         self.held
             .extend(fresh.into_iter().map(|(c, s)| (c, s, delay)));
         // What the modelled clock has reached, each queue in order.
-        let now = CLOCK.load(Ordering::Relaxed);
+        let now = clock().load(Ordering::Acquire);
         let mut out_now: Vec<(Completion, u64)> = Vec::new();
         let mut kept = VecDeque::new();
         let (mut writes_wait, mut recvs_wait) = (false, false);
@@ -548,21 +843,20 @@ impl QueuePair for SimQp {
             };
             if let Some(next) = first(true).into_iter().chain(first(false)).min() {
                 NEXT_EVENT.fetch_min(next, Ordering::Relaxed);
-                if IDLE_POLLS.fetch_add(1, Ordering::Relaxed) + 1 >= IDLE_POLLS_BEFORE_JUMP {
-                    // Every queue this process polled had nothing due: its
-                    // clock moves on to the earliest event it holds.
-                    IDLE_POLLS.store(0, Ordering::Relaxed);
-                    CLOCK.fetch_max(
-                        NEXT_EVENT.swap(u64::MAX, Ordering::Relaxed),
-                        Ordering::Relaxed,
-                    );
-                    return self.poll(out);
+            }
+            if IDLE_POLLS.fetch_add(1, Ordering::Relaxed) + 1 >= IDLE_POLLS_BEFORE_JUMP {
+                // Every queue this process polled had nothing due.
+                IDLE_POLLS.store(0, Ordering::Relaxed);
+                if self.move_clock(now) {
+                    return self.take(out);
                 }
             }
             return;
         }
         IDLE_POLLS.store(0, Ordering::Relaxed);
         NEXT_EVENT.store(u64::MAX, Ordering::Relaxed);
+        stalled_too_long(false);
+        publish_busy();
         if self.nic.faults.reorder {
             let (mut writes, mut recvs): (VecDeque<_>, VecDeque<_>) = out_now
                 .drain(..)
@@ -578,8 +872,61 @@ impl QueuePair for SimQp {
             }
         }
         for (c, stamp) in out_now {
-            CLOCK.fetch_max(stamp, Ordering::Relaxed);
+            advance(stamp);
             out.push(c);
+        }
+    }
+}
+
+impl SimQp {
+    /// Moves the clock, which stands at `now` with nothing due, to the
+    /// earliest event this process holds, within the conservative bound (see
+    /// the module docs); whether it moved to an event.
+    fn move_clock(&self, now: u64) -> bool {
+        let spinning = Instant::now();
+        let mut now = now;
+        loop {
+            let (bound, elsewhere) = conservative_bound();
+            let own = NEXT_EVENT.load(Ordering::Relaxed);
+            publish_idle(own.min(elsewhere));
+            // Something already due on a queue that nobody polls now waits
+            // for its poll; it does not stop the clock.
+            let event = if elsewhere > now {
+                own.min(elsewhere)
+            } else {
+                own
+            };
+            let mut held = event != u64::MAX && event > bound;
+            let bound = match held.then(snapshot_bound).flatten() {
+                Some(b) => {
+                    held = event > b;
+                    b.max(bound)
+                }
+                None => bound,
+            };
+            if event != u64::MAX && (!held || stalled_too_long(true)) {
+                if held {
+                    check_for_gone_peers();
+                    stalled_too_long(false);
+                }
+                NEXT_EVENT.store(u64::MAX, Ordering::Relaxed);
+                advance(event);
+                return true;
+            }
+            if !held {
+                stalled_too_long(false);
+            }
+            if bound != u64::MAX && bound > now {
+                advance(bound);
+                now = bound;
+            }
+            if !held || spinning.elapsed() > HELD_SPIN {
+                if held {
+                    IDLE_POLLS.store(IDLE_POLLS_BEFORE_JUMP - 1, Ordering::Relaxed);
+                }
+                return false;
+            }
+            std::thread::yield_now();
         }
     }
 }
@@ -587,5 +934,8 @@ impl QueuePair for SimQp {
 impl Drop for SimQp {
     fn drop(&mut self) {
         self.file.word(CLOSED).store(1, Ordering::Release);
+        // What reached it counts as arrived, so that the processes' counts
+        // of what is in flight stay even.
+        count_arrived(&self.file);
     }
 }
