@@ -20,7 +20,10 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 # How torch's gloo sometimes dies at exit, after the script has finished
 # (a worker thread still joinable as the process group is torn down; see
-# pytorch/pytorch#179291). Only the gloo reference runs may be retried for it.
+# pytorch/pytorch#179291). It happened twice in a row in one CI run, so a
+# gloo reference run that dies so is not run again: its output stands, and
+# every caller checks that output is complete (a digest from every rank, or
+# every step's loss). ccl's own runs never get this pass.
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -30,8 +33,8 @@ def launch(cmd, timeout=300, reference=False):
         env.pop(var, None)
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0 and reference and GLOO_TEARDOWN_ABORT in p.stdout + p.stderr:
-        print(f"gloo reference died at teardown, run again once: {cmd}", file=sys.stderr)
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        print(f"gloo reference died at teardown; its output is checked as is: {cmd}", file=sys.stderr)
+        return p.stdout
     assert p.returncode == 0, f"{cmd} exited with {p.returncode}\n{p.stdout}\n{p.stderr[-4000:]}"
     return p.stdout
 
