@@ -223,17 +223,8 @@ impl CudaGpu {
             unsafe { cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
             || format!("CUDA cuModuleLoadData (ccl's kernels) on {}", self.name),
         )?;
-        let mut names: Vec<String> = DataType::ALL.into_iter().map(kernels::scale_name).collect();
-        for dtype in DataType::ALL {
-            for op in ReduceOp::ALL
-                .into_iter()
-                .filter(|op| op.validate(dtype).is_ok())
-            {
-                names.push(kernels::reduce_name(dtype, op));
-            }
-        }
         let mut functions = HashMap::new();
-        for name in names {
+        for name in kernels::names() {
             let c = std::ffi::CString::new(name.as_str()).expect("no NUL in kernel names");
             let mut f = ptr::null_mut();
             // SAFETY: out-parameter; a function of the module loaded above.
@@ -490,7 +481,8 @@ impl Gpu for CudaGpu {
         let units = if aligned { count * size / 16 } else { 0 };
         let name = kernels::reduce_name(dtype, op);
         let vector_elems = units * 16 / size;
-        self.launch_reduce(stream, &format!("{name}_v16"), out, inputs, units)?;
+        let vector = kernels::vector_name(dtype, op);
+        self.launch_reduce(stream, &vector, out, inputs, units)?;
         let tail: Vec<*const u8> = inputs.iter().map(|p| p.add(vector_elems * size)).collect();
         self.launch_reduce(
             stream,
