@@ -51,7 +51,9 @@ def _op(reduce_op) -> ReduceOp:
         factor = getattr(reduce_op, "factor", None)
         if not isinstance(factor, (int, float)):
             raise NotImplementedError(
-                "cclrs: PREMUL_SUM with a tensor factor is not supported (pass a float)"
+                f"cclrs: PREMUL_SUM needs a float factor that Python can read (torch "
+                f"{torch.__version__} gives {type(factor).__name__}; a tensor factor, "
+                "or a torch without ReduceOp.factor, is not supported)"
             )
         return ReduceOp.premul_sum(float(factor))
     for torch_op, ccl_op in _OPS:
@@ -201,9 +203,34 @@ class Work(dist._Work):
         return future
 
 
-class CclBackend(_C10dBackend):
+def _backend_base() -> type:
+    """`c10d.Backend` where torch lets Python construct one; else (torch
+    2.11, for one) `ProcessGroup`, which torch then takes as the whole group
+    (its Python subclasses' old path): collectives, DDP and send/recv reach
+    it all the same."""
+    try:
+        _C10dBackend(0, 1)
+    except TypeError:
+        return dist.ProcessGroup
+    return _C10dBackend
+
+
+_BASE = _backend_base()
+
+
+class CclBackend(_BASE):
     """One torch process group's backend: a ccl communicator over the
     group's store."""
+
+    if _BASE is dist.ProcessGroup:
+        # A ProcessGroup with no C++ backend keeps no name (torch reads it
+        # from its backends): keep the one torch sets, for DeviceMesh.
+        def _set_group_name(self, name: str) -> None:
+            self._ccl_group_name = name
+
+        @property
+        def group_name(self) -> str:
+            return self._ccl_group_name
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
