@@ -21,7 +21,7 @@ use ccl_core::{
 };
 use ccl_transport_cuda_ipc::{
     cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut},
-    ipc::{Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
+    ipc::{self, Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
     staging::{Chunk, Launch, Layout, Staging},
     Gpu, GpuEvent, Stream,
 };
@@ -671,6 +671,7 @@ impl Communicator {
             match made {
                 Ok(g) if ok[0] == 1 => {
                     tracing::info!(rank, "device calls read peers' GPU memory through CUDA IPC");
+                    self.warn_of_turns(gpu)?;
                     group = Some(Arc::new(g));
                 }
                 Ok(_) => tracing::info!(
@@ -684,6 +685,33 @@ impl Communicator {
         }
         *slot = Some(group.clone());
         Ok(group)
+    }
+
+    /// Tells (from the lowest rank of each) of ranks that share a GPU
+    /// which runs their work by turns: a call then waits for the others'
+    /// time slices (figures in docs/DESIGN.md).
+    fn warn_of_turns(&self, gpu: &Arc<dyn Gpu>) -> Result<()> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        // Every rank takes part; one whose driver cannot tell says unknown.
+        let mine = ipc::sharing(gpu.as_ref()).unwrap_or([2; ipc::SHARING_BYTES]);
+        let mut every = vec![0u8; ipc::SHARING_BYTES * n];
+        self.allgather_into(&mine, &mut every)?;
+        let all: Vec<[u8; ipc::SHARING_BYTES]> = every
+            .chunks(ipc::SHARING_BYTES)
+            .map(|c| c.try_into().expect("whole descriptions"))
+            .collect();
+        for ranks in ipc::taking_turns(&all) {
+            if ranks[0] == rank {
+                tracing::warn!(
+                    rank,
+                    "ranks {ranks:?} share {} without MPS: the GPU runs their work by \
+                     turns, and every device call waits for the others' time slices; \
+                     start the MPS server (nvidia-cuda-mps-control -d) for the job",
+                    gpu.name()
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The staging of device transfers to (`send`) or from `peer` on

@@ -585,6 +585,23 @@ impl Gpu for CudaGpu {
         self.name.clone()
     }
 
+    fn uuid(&self) -> Result<[u8; 16]> {
+        let mut uuid = cu::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-parameter.
+        check(
+            unsafe { cu::cuDeviceGetUuid_v2(&mut uuid, self.device) },
+            || format!("CUDA cuDeviceGetUuid_v2 on {}", self.name),
+        )?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    fn side_by_side(&self) -> Option<bool> {
+        // Drivers before CUDA 12.4's do not know the attribute.
+        self.attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MPS_ENABLED)
+            .ok()
+            .map(|on| on != 0)
+    }
+
     fn kind_of(&self, at: *const u8) -> Result<MemoryKind> {
         let _bound = self.bind()?;
         let mut kind: c_uint = 0;

@@ -39,6 +39,15 @@ pub trait Gpu: Send + Sync + 'static {
     /// A readable name (`CUDA device 0 (NVIDIA H100 80GB HBM3)`).
     fn name(&self) -> String;
 
+    /// The device's UUID, the same in every process: ranks with equal ones
+    /// share a GPU.
+    fn uuid(&self) -> Result<[u8; 16]>;
+
+    /// Whether the work of several processes on this GPU runs side by side
+    /// (`Some(true)`: under MPS, or the stand-in's threads), or by turns in
+    /// time slices (`Some(false)`); `None` where the driver does not say.
+    fn side_by_side(&self) -> Option<bool>;
+
     /// Where the memory at `ptr` lives, as the driver sees it: device
     /// memory of some GPU, or host memory (plain or pinned).
     fn kind_of(&self, ptr: *const u8) -> Result<MemoryKind>;

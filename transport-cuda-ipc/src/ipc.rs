@@ -431,3 +431,59 @@ impl Event for IpcDone {
         Ok(false)
     }
 }
+
+/// Bytes of a rank's [`sharing`] description.
+pub const SHARING_BYTES: usize = 17;
+
+/// What a rank tells the others of its GPU: its UUID, then 1 if the work
+/// of several processes runs there side by side, 0 if by turns, 2 unknown.
+pub fn sharing(gpu: &dyn Gpu) -> Result<[u8; SHARING_BYTES]> {
+    let mut d = [0u8; SHARING_BYTES];
+    d[..16].copy_from_slice(&gpu.uuid()?);
+    d[16] = match gpu.side_by_side() {
+        Some(true) => 1,
+        Some(false) => 0,
+        None => 2,
+    };
+    Ok(d)
+}
+
+/// The ranks (by every rank's [`sharing`], in rank order) that share a GPU
+/// which takes their work by turns: each call then waits for the others'
+/// time slices. One list per such GPU, lowest rank first.
+pub fn taking_turns(all: &[[u8; SHARING_BYTES]]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (rank, d) in all.iter().enumerate() {
+        match groups.iter_mut().find(|g| all[g[0]][..16] == d[..16]) {
+            Some(g) => g.push(rank),
+            None => groups.push(vec![rank]),
+        }
+    }
+    groups.retain(|g| g.len() > 1 && g.iter().any(|&r| all[r][16] == 0));
+    groups
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(id: u8, side_by_side: u8) -> [u8; SHARING_BYTES] {
+        let mut d = [id; SHARING_BYTES];
+        d[16] = side_by_side;
+        d
+    }
+
+    #[test]
+    fn ranks_sharing_a_time_sliced_gpu_are_named() {
+        // One GPU each: nothing to say, whatever the mode.
+        assert!(taking_turns(&[gpu(1, 0), gpu(2, 0)]).is_empty());
+        // Two ranks on GPU 1 by turns, two on GPU 2 under MPS, one unknown.
+        let all = [gpu(1, 0), gpu(2, 1), gpu(1, 0), gpu(2, 1), gpu(3, 2)];
+        assert_eq!(taking_turns(&all), vec![vec![0, 2]]);
+        // Unknown is not reported.
+        assert!(taking_turns(&[gpu(4, 2), gpu(4, 2)]).is_empty());
+        let stand_in = crate::StandInGpu::new(0).unwrap();
+        let d = sharing(&stand_in).unwrap();
+        assert!(taking_turns(&[d, d]).is_empty());
+    }
+}

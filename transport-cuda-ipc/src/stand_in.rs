@@ -183,6 +183,16 @@ impl Gpu for StandInGpu {
         format!("stand-in GPU {} (host memory)", self.ordinal)
     }
 
+    fn uuid(&self) -> Result<[u8; 16]> {
+        let mut uuid = *b"ccl-stand-in-gpu";
+        uuid[12..].copy_from_slice(&self.ordinal.to_le_bytes());
+        Ok(uuid)
+    }
+
+    fn side_by_side(&self) -> Option<bool> {
+        Some(true)
+    }
+
     fn kind_of(&self, ptr: *const u8) -> Result<MemoryKind> {
         let at = ptr as usize;
         let allocations = lock(&self.allocations);
