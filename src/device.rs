@@ -12,7 +12,7 @@
 
 use std::{
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use ccl_core::{
@@ -22,7 +22,7 @@ use ccl_core::{
 use ccl_transport_cuda_ipc::{
     cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut},
     ipc::{self, Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
-    staging::{Chunk, Launch, Layout, Staging},
+    staging::{Chunk, Later, Launch, Layout, Staging},
     Gpu, GpuEvent, Stream,
 };
 
@@ -305,17 +305,11 @@ impl Communicator {
                 false => host_out,
             };
             let before = staged_in(chunk.gate.clone(), None);
-            let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome);
+            let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome, true);
             self.submit_transfer(dtype, peer, send, host, Some(before), done);
         }
         let call = format!("{coll} with rank {peer} on rank {rank}");
-        Ok(finish(
-            launch,
-            stream,
-            &outcome,
-            work,
-            (self.timeout(), call),
-        ))
+        Ok(self.finish(launch, stream, &outcome, work, call))
     }
 
     /// The collective `template` (count 0; its element type is `T`'s) in
@@ -531,8 +525,11 @@ impl Communicator {
             return Ok(Work::ready(Ok(())).after(Arc::new(done)));
         }
         let staging = self.staging(gpu)?;
-        let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
         let (input, output) = (input.as_ptr() as usize, output.as_mut_ptr() as usize);
+        if self.inner.options.cuda_staged_gpu_reduce && reduces_on_gpu(coll, n) {
+            return self.stage_reduction(coll, &staging, input, output, stream);
+        }
+        let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
         let mut launch = staging.launch(stream)?;
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
@@ -549,7 +546,7 @@ impl Communicator {
             };
             // The chunk's arguments follow from the call's, checked above;
             // were they refused, the chunk still reports (and is counted).
-            let back = staged_out(&staging, layout, chunk.clone(), output, &outcome);
+            let back = staged_out(&staging, layout, chunk.clone(), output, &outcome, true);
             let Prepared { io, scaled } = match self.prepare(&sub, host_in, host_out) {
                 Ok(prepared) => prepared,
                 Err(e) => {
@@ -561,14 +558,7 @@ impl Communicator {
                 chunk.gate.clone(),
                 (host_in.as_ptr() as usize, host_in.len()),
             );
-            let then = prescale.map(|op| {
-                Box::new(move || {
-                    // SAFETY: the chunk's staged input, which only this job uses now.
-                    let staged =
-                        unsafe { std::slice::from_raw_parts_mut(scale.0 as *mut u8, scale.1) };
-                    ccl_core::kernels::prescale(op, sub.dtype, staged)
-                }) as Box<dyn FnOnce() -> Result<()> + Send>
-            });
+            let then = prescaling(prescale, sub.dtype, scale);
             let before = staged_in(gate, then);
             let done = Box::new(move |result: Result<()>| {
                 drop(scaled);
@@ -578,13 +568,170 @@ impl Communicator {
             self.submit(&sub, choice, io, Some(before), done, false);
         }
         let call = format!("{coll} on rank {rank}");
-        Ok(finish(
-            launch,
-            stream,
-            &outcome,
-            work,
-            (self.timeout(), call),
-        ))
+        Ok(self.finish(launch, stream, &outcome, work, call))
+    }
+
+    /// A staged reduction: the hosts only move data and the GPU reduces.
+    /// Per chunk, a host collective brings every rank's part of what this
+    /// rank reduces into the slot (an all-to-all of the chunk cut in n
+    /// pieces; a gather to the root for a reduce), the copy-out stream
+    /// takes it to the device and reduces it in rank order into the
+    /// output, and for an allreduce a second host collective (an
+    /// allgather of the reduced pieces, gated on that reduction) brings
+    /// back the rest, which goes to the device as any staged result.
+    unsafe fn stage_reduction(
+        &self,
+        coll: &Collective,
+        staging: &Arc<Staging>,
+        input: usize,
+        output: usize,
+        stream: &Stream,
+    ) -> Result<Work<()>> {
+        let (rank, n) = (self.inner.rank, self.inner.world_size);
+        let (kind, dtype, elem) = (coll.kind, coll.dtype, coll.dtype.size());
+        // A reduce's root receives n chunks at once.
+        let chunk_bytes = match kind {
+            CollectiveKind::Reduce => staging.chunk_bytes() / n,
+            _ => staging.chunk_bytes(),
+        };
+        let layout = Layout::new(coll, rank, n, chunk_bytes.max(elem));
+        // Loading kernels may wait for the context's streams, and the
+        // caller's will wait for this call's chunks: load them first.
+        staging.gpu().prepare_kernels()?;
+        let mut launch = staging.launch(stream)?;
+        let chunks = layout.chunks();
+        tracing::debug!(rank, call = %coll, chunks, "staged, reduced on the GPU");
+        let (work, outcome) = Outcome::new(chunks);
+        // A pre-multiplied sum scales the staged input on the host, then sums.
+        let prescale = matches!(coll.op, ReduceOp::PreMulSum(_)).then_some(coll.op);
+        let op = prescale.map_or(coll.op, |_| ReduceOp::Sum);
+        for k in 0..chunks {
+            let chunk = launch.stage_in(&layout, input as *const u8, k);
+            let (slot_in, slot_out, slot_bytes) = launch.slot(&chunk);
+            let len = chunk.count();
+            let start = (k * layout.per_chunk) * elem;
+            // What this rank reduces: `count` elements into `out`, from n
+            // runs `stride` apart in the slot, brought by `first`.
+            let (first, stride, count, out) = match kind {
+                CollectiveKind::AllReduce => {
+                    let piece = len.div_ceil(n);
+                    let mine = piece.min(len.saturating_sub(rank * piece));
+                    let first = Collective::new(CollectiveKind::AllToAll, dtype, piece);
+                    (first, piece, mine, output + start + rank * piece * elem)
+                }
+                CollectiveKind::ReduceScatter => {
+                    let first = Collective::new(CollectiveKind::AllToAll, dtype, len);
+                    (first, len, len, output + start)
+                }
+                _ => {
+                    let first =
+                        Collective::new(CollectiveKind::Gather, dtype, len).with_root(coll.root);
+                    let count = if rank == coll.root { len } else { 0 };
+                    (first, len, count, output + start)
+                }
+            };
+            let (need_in, need_out) = first.buffer_elems(rank, n);
+            let second = (kind == CollectiveKind::AllReduce)
+                .then(|| Collective::new(CollectiveKind::AllGather, dtype, stride));
+            let done_at = staged_out(
+                staging,
+                layout,
+                chunk.clone(),
+                output,
+                &outcome,
+                second.is_some(),
+            );
+            if (need_in.max(need_out) * elem).max(stride * n * elem) > slot_bytes {
+                done_at(Err(Error::Internal(format!(
+                    "{coll} on rank {rank}: a staged chunk of {len} elements outgrows its slot"
+                ))));
+                continue;
+            }
+            let bytes = |elems: usize| elems * elem;
+            let io_first = (
+                BufRef::from_raw(MemoryKind::Host, slot_in, bytes(need_in)),
+                BufMut::from_raw(MemoryKind::Host, slot_out, bytes(need_out)),
+            );
+            let staged = (slot_in as usize, bytes(layout.blocks_in * len));
+            let then = prescaling(prescale, dtype, staged);
+            let reduce = {
+                let (staging, chunk) = (staging.clone(), chunk.clone());
+                // SAFETY: the call's device output, valid until its Work completes.
+                move |back: bool| unsafe {
+                    staging.reduce(&chunk, (op, dtype), n, stride, count, out as *mut u8, back)
+                }
+            };
+            let first_in = staged_in(chunk.gate.clone(), then);
+            match second {
+                // The reduced pieces go round; the chunk ends after the second.
+                Some(second) => {
+                    let later = Arc::new(Later::default());
+                    let gate = later.clone();
+                    let after_first = Box::new(move |result: Result<()>| {
+                        let reduced = result.and_then(|()| reduce(true));
+                        gate.set(reduced.map(|event| Arc::new(event) as Arc<dyn Event>));
+                    });
+                    self.submit_staged(&first, io_first, first_in, after_first);
+                    let io_second = (
+                        BufRef::from_raw(MemoryKind::Host, slot_in, bytes(stride)),
+                        BufMut::from_raw(MemoryKind::Host, slot_out, bytes(stride * n)),
+                    );
+                    let gate = Before {
+                        gate: later,
+                        what: "the GPU to reduce the staged chunk",
+                        then: None,
+                    };
+                    self.submit_staged(&second, io_second, gate, done_at);
+                }
+                // The reduction is the result; the chunk ends after it.
+                None => {
+                    let after_first = Box::new(move |result: Result<()>| {
+                        done_at(result.and_then(|()| reduce(false).map(drop)))
+                    });
+                    self.submit_staged(&first, io_first, first_in, after_first);
+                }
+            }
+        }
+        let call = format!("{coll} on rank {rank}");
+        Ok(self.finish(launch, stream, &outcome, work, call))
+    }
+
+    /// Ends a staged call's launch: the caller's stream waits for its last
+    /// chunk, and the launch reports to the outcome (a failure to make the
+    /// stream wait fails the call, once its chunks are done with the memory).
+    fn finish(
+        &self,
+        launch: Launch<'_>,
+        stream: &Stream,
+        outcome: &Mutex<Outcome>,
+        work: Work<()>,
+        call: String,
+    ) -> Work<()> {
+        let (staged, gated) = launch.finish(stream, self.timeout(), call);
+        Outcome::report(outcome, gated);
+        work.after(staged)
+    }
+
+    /// Queues the host collective of a staged chunk on `io`, after `before`.
+    fn submit_staged(
+        &self,
+        coll: &Collective,
+        (input, output): (BufRef<'static>, BufMut<'static>),
+        before: Before,
+        done: Box<dyn FnOnce(Result<()>) + Send>,
+    ) {
+        // SAFETY: the slot's memory, which only this chunk uses until done.
+        match unsafe { self.prepare(coll, input, output) } {
+            Ok(Prepared { io, scaled }) => {
+                let choice = self.inner.selection.choice(coll);
+                let done = Box::new(move |result: Result<()>| {
+                    drop(scaled);
+                    done(result)
+                });
+                self.submit(coll, choice, io, Some(before), done, false);
+            }
+            Err(e) => done(Err(e)),
+        }
     }
 
     /// Every rank's buffers of a direct IPC call, mapped here: `None` (on
@@ -747,6 +894,7 @@ impl Communicator {
             gpu.clone(),
             inner.world_size,
             inner.options.cuda_chunk,
+            inner.options.cuda_staged_gpu_reduce,
         )?);
         *slot = Some(s.clone());
         Ok(s)
@@ -794,6 +942,21 @@ fn on_device(
     }
 }
 
+/// The step that scales a chunk's staged input (`staged`: its address and
+/// bytes) in place for a pre-multiplied sum, `prescale`, if it is one.
+fn prescaling(
+    prescale: Option<ReduceOp>,
+    dtype: DataType,
+    staged: (usize, usize),
+) -> Option<Box<dyn FnOnce() -> Result<()> + Send>> {
+    let op = prescale?;
+    Some(Box::new(move || {
+        // SAFETY: the chunk's staged input, which only this job uses now.
+        let staged = unsafe { std::slice::from_raw_parts_mut(staged.0 as *mut u8, staged.1) };
+        ccl_core::kernels::prescale(op, dtype, staged)
+    }))
+}
+
 /// What a chunk's host job waits for: its input in host memory (`gate`),
 /// and then `then`.
 fn staged_in(gate: Arc<dyn Event>, then: Option<Box<dyn FnOnce() -> Result<()> + Send>>) -> Before {
@@ -805,21 +968,33 @@ fn staged_in(gate: Arc<dyn Event>, then: Option<Box<dyn FnOnce() -> Result<()> +
 }
 
 /// What a chunk's host job calls when done: its result goes back to the
-/// device `output` (if it has one) and into the call's outcome.
+/// device `output` (with `copies`, if it has one) and into the call's
+/// outcome.
 fn staged_out(
     staging: &Arc<Staging>,
     layout: Layout,
     chunk: Chunk,
     output: usize,
     outcome: &Arc<Mutex<Outcome>>,
+    copies: bool,
 ) -> Box<dyn FnOnce(Result<()>) + Send> {
     let (staging, outcome) = (staging.clone(), outcome.clone());
     Box::new(move |result: Result<()>| {
+        let ok = result.is_ok() && copies;
         // SAFETY: the call's device output, valid until its Work completes,
         // which waits for this copy.
-        let out = unsafe { staging.stage_out(&layout, &chunk, output as *mut u8, result.is_ok()) };
+        let out = unsafe { staging.stage_out(&layout, &chunk, output as *mut u8, ok) };
         Outcome::report(&outcome, result.and(out));
     })
+}
+
+/// Whether a staged call of `coll` among `n` ranks reduces on the GPU: the
+/// reductions, where one kernel takes every rank's data.
+fn reduces_on_gpu(coll: &Collective, n: usize) -> bool {
+    matches!(
+        coll.kind,
+        CollectiveKind::AllReduce | CollectiveKind::ReduceScatter | CollectiveKind::Reduce
+    ) && n <= ccl_transport_cuda_ipc::kernels::MAX_INPUTS
 }
 
 impl Outcome {
@@ -848,19 +1023,4 @@ impl Outcome {
             }
         }
     }
-}
-
-/// Ends a staged call's launch: the caller's stream waits for its last
-/// chunk, and the launch reports to the outcome (a failure to make the
-/// stream wait fails the call, once its chunks are done with the memory).
-fn finish(
-    launch: Launch<'_>,
-    stream: &Stream,
-    outcome: &Mutex<Outcome>,
-    work: Work<()>,
-    (timeout, call): (Duration, String),
-) -> Work<()> {
-    let (staged, gated) = launch.finish(stream, timeout, call);
-    Outcome::report(outcome, gated);
-    work.after(staged)
 }

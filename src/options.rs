@@ -63,6 +63,10 @@ pub struct Options {
     /// write the ranks' own buffers, without the slots' copies
     /// (`CCL_CUDA_IPC_DIRECT`); every rank must use the same.
     pub cuda_ipc_direct: usize,
+    /// Staged reductions reduce on the GPU, the hosts only moving data
+    /// (`CCL_CUDA_STAGED_GPU_REDUCE=1`; default off: the host collective
+    /// reduces, the path checked on a GPU); every rank must use the same.
+    pub cuda_staged_gpu_reduce: bool,
 }
 
 impl Default for Options {
@@ -80,6 +84,7 @@ impl Default for Options {
             cuda_ipc: true,
             cuda_ipc_chunk: DEFAULT_CUDA_IPC_CHUNK,
             cuda_ipc_direct: DEFAULT_CUDA_IPC_DIRECT,
+            cuda_staged_gpu_reduce: false,
         }
     }
 }
@@ -118,6 +123,8 @@ impl Options {
                 DEFAULT_CUDA_IPC_DIRECT,
                 0..=usize::MAX,
             )?,
+            cuda_staged_gpu_reduce: config.knob_number("CCL_CUDA_STAGED_GPU_REDUCE", 0, 0..=1)?
+                == 1,
         })
     }
 }

@@ -51,6 +51,19 @@ fn device_checks(n: usize, env: &[(&'static str, &str)]) -> bool {
         .filter(|o| o.stderr.contains("through CUDA IPC"))
         .count();
     assert!(ipc == 0 || ipc == n, "{what}: only {ipc} ranks used IPC");
+    if env.contains(&("CCL_CUDA_IPC", "0")) {
+        let gpu_reduce = env.contains(&("CCL_CUDA_STAGED_GPU_REDUCE", "1"));
+        for o in &out {
+            // With CCL_CUDA_STAGED_GPU_REDUCE=1, staged allreduces, reduces
+            // and reduce-scatters reduce on the GPU: hundreds of calls (4
+            // counts x 10 types x ops x forms); else none does.
+            let on_gpu = o.stderr.matches("staged, reduced on the GPU").count();
+            match gpu_reduce {
+                true => assert!(on_gpu >= 300, "{what}: {on_gpu} reduced on the GPU"),
+                false => assert_eq!(on_gpu, 0, "{what}"),
+            }
+        }
+    }
     if env.contains(&("CCL_CUDA_IPC_DIRECT", "0")) {
         for o in &out {
             let direct = o.stderr.matches("between the ranks' own buffers").count();
@@ -88,11 +101,24 @@ fn allreduces_through_ipc_between_the_ranks_own_buffers() {
 }
 
 /// The same through pinned host staging: forced (`CCL_CUDA_IPC=0`), over
-/// shared memory and TCP.
+/// shared memory and TCP, the reductions on the host or on the GPU.
 #[test]
 fn every_collective_on_device_memory_through_host_staging() {
-    for (n, transport) in [(2, "shm"), (3, "shm"), (4, "shm"), (2, "tcp"), (3, "tcp")] {
-        let env = [("CCL_CUDA_IPC", "0"), ("CCL_TRANSPORT", transport)];
+    let cases = [
+        (2, "shm", "0"),
+        (3, "shm", "1"),
+        (4, "shm", "0"),
+        (4, "shm", "1"),
+        (2, "tcp", "1"),
+        (3, "tcp", "0"),
+    ];
+    for (n, transport, gpu_reduce) in cases {
+        let env = [
+            ("CCL_CUDA_IPC", "0"),
+            ("CCL_TRANSPORT", transport),
+            ("CCL_CUDA_STAGED_GPU_REDUCE", gpu_reduce),
+            ("CCL_DEBUG", "info,ccl::device=debug"),
+        ];
         assert!(!device_checks(n, &env), "IPC despite CCL_CUDA_IPC=0");
     }
 }
@@ -109,6 +135,7 @@ fn device_calls_across_hosts_stage_through_host_memory() {
                 ("CCL_CUDA_STAND_IN", "1".into()),
                 ("CCL_CUDA_CHUNK", "4096".into()),
                 ("CCL_HOST_ID", format!("host{}", rank % 2)),
+                ("CCL_CUDA_STAGED_GPU_REDUCE", "1".into()),
                 ("CCL_TIMEOUT", "60s".into()),
                 ("CCL_DEBUG", "info".into()),
             ]

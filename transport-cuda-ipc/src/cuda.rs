@@ -232,6 +232,19 @@ impl CudaGpu {
                 unsafe { cu::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
                 || format!("CUDA cuModuleGetFunction({name})"),
             )?;
+            // Under lazy loading this loads the function now, not at a
+            // launch that queued work may hold up.
+            let mut threads: c_int = 0;
+            check(
+                unsafe {
+                    cu::cuFuncGetAttribute(
+                        &mut threads,
+                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
+                        f,
+                    )
+                },
+                || format!("CUDA cuFuncGetAttribute({name})"),
+            )?;
             functions.insert(name, f);
         }
         Ok(Kernels {
@@ -239,6 +252,14 @@ impl CudaGpu {
             functions,
             max_blocks: sms as u32 * 8,
         })
+    }
+
+    /// The kernels, compiled and loaded at the first call.
+    fn kernels(&self) -> Result<&Kernels> {
+        match self.kernels.get_or_init(|| self.load_kernels()) {
+            Ok(k) => Ok(k),
+            Err(e) => Err(e.clone()),
+        }
     }
 
     /// Launches kernel `name` over `count` elements with `params` on `stream`.
@@ -252,10 +273,7 @@ impl CudaGpu {
         count: usize,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        let kernels = match self.kernels.get_or_init(|| self.load_kernels()) {
-            Ok(k) => k,
-            Err(e) => return Err(e.clone()),
-        };
+        let kernels = self.kernels()?;
         let f = *kernels
             .functions
             .get(name)
@@ -593,6 +611,10 @@ impl Gpu for CudaGpu {
             || format!("CUDA cuDeviceGetUuid_v2 on {}", self.name),
         )?;
         Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    fn prepare_kernels(&self) -> Result<()> {
+        self.kernels().map(drop)
     }
 
     fn side_by_side(&self) -> Option<bool> {

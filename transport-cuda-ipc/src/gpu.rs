@@ -113,6 +113,12 @@ pub trait Gpu: Send + Sync + 'static {
     /// streams (to release streams that wait for a peer that failed).
     fn set_word(&self, word: u64, value: u32) -> Result<()>;
 
+    /// Compiles and loads the kernels now, if not yet done. Loading may wait
+    /// for the work queued on the device (CUDA loads lazily and implicitly
+    /// synchronizes), so a caller whose streams will wait for its own later
+    /// kernels prepares them first.
+    fn prepare_kernels(&self) -> Result<()>;
+
     /// Enqueues on `stream` the elementwise reduction of `inputs` (device
     /// memory, `count` elements of `dtype` each, folded in order) into
     /// `out`: `Avg` divides by `inputs.len()`, `PreMulSum` sums (its inputs

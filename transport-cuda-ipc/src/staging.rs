@@ -12,14 +12,17 @@
 //! up to [`DEPTH`] chunks are in flight, their copies, transfers and
 //! reductions overlapping. The caller's stream takes part at both ends: the
 //! first copy waits for the work already queued on it, and it waits (on the
-//! GPU, for the word) for the last chunk before any later work runs.
+//! GPU, for the word) for the last chunk before any later work runs. A
+//! reduction may instead have the host collectives only move data and
+//! reduce what they gathered on the GPU, on the copy-out stream
+//! ([`Staging::reduce`]).
 
 use std::{
     sync::{Arc, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
-use ccl_core::{BufMut, BufRef, Collective, Error, Event, Result, Scratch};
+use ccl_core::{BufMut, BufRef, Collective, DataType, Error, Event, ReduceOp, Result, Scratch};
 
 use crate::gpu::{Flags, Gpu, GpuEvent, Stream};
 
@@ -117,10 +120,12 @@ impl Chunk {
     }
 }
 
-/// One pinned slot: a chunk's collective reads `input` and writes `output`.
+/// One pinned slot: a chunk's collective reads `input` and writes `output`;
+/// a reduction takes what arrived in `output` to `device` memory to reduce.
 struct Slot {
     input: Scratch,
     output: Scratch,
+    device: Scratch,
 }
 
 /// What the copy streams and slots serve: one communicator's device calls
@@ -149,6 +154,40 @@ impl Event for Failed {
 
     fn synchronize(&self, _: Option<std::time::Duration>) -> Result<bool> {
         Err(self.0.clone())
+    }
+}
+
+/// A gate known only later: the event a chunk's second host collective
+/// waits for, set when its first one ends (or why it cannot happen).
+#[derive(Default)]
+pub struct Later(std::sync::OnceLock<Arc<dyn Event>>);
+
+impl Later {
+    /// Sets the gate (once; a second call is ignored).
+    pub fn set(&self, gate: Result<Arc<dyn Event>>) {
+        let _ = self
+            .0
+            .set(gate.unwrap_or_else(|e| Arc::new(Failed(e)) as Arc<dyn Event>));
+    }
+}
+
+impl Event for Later {
+    fn query(&self) -> Result<bool> {
+        match self.0.get() {
+            Some(gate) => gate.query(),
+            None => Ok(false),
+        }
+    }
+
+    fn synchronize(&self, timeout: Option<Duration>) -> Result<bool> {
+        let start = Instant::now();
+        while !self.query()? {
+            if timeout.is_some_and(|t| start.elapsed() >= t) {
+                return Ok(false);
+            }
+            std::thread::yield_now();
+        }
+        Ok(true)
     }
 }
 
@@ -219,11 +258,20 @@ pub struct Launch<'a> {
 
 impl Staging {
     /// Copy streams, slots of pinned memory and a word that counts chunks
-    /// on `gpu`, for calls among `world_size` ranks cut in `chunk_bytes`.
-    pub fn new(gpu: Arc<dyn Gpu>, world_size: usize, chunk_bytes: usize) -> Result<Staging> {
-        // A chunk has at least one element of every block (8 bytes at most each).
-        let slot_bytes = chunk_bytes.max(8 * world_size);
-        Staging::with_slots(gpu, [slot_bytes; 2], chunk_bytes)
+    /// on `gpu`, for calls among `world_size` ranks cut in `chunk_bytes`;
+    /// with `reduce_on_gpu`, device scratch beside each slot for
+    /// [`Staging::reduce`].
+    pub fn new(
+        gpu: Arc<dyn Gpu>,
+        world_size: usize,
+        chunk_bytes: usize,
+        reduce_on_gpu: bool,
+    ) -> Result<Staging> {
+        // A chunk has at least one element of every block (8 bytes at most
+        // each), and a reduction's chunk is cut in n equal pieces.
+        let slot_bytes = chunk_bytes.max(8 * world_size) + 8 * world_size;
+        let device = if reduce_on_gpu { slot_bytes } else { 0 };
+        Staging::with_slots(gpu, [slot_bytes, slot_bytes, device], chunk_bytes)
     }
 
     /// Staging for one direction of point-to-point transfers (`send`: the
@@ -233,15 +281,15 @@ impl Staging {
     pub fn for_transfers(gpu: Arc<dyn Gpu>, chunk_bytes: usize, send: bool) -> Result<Staging> {
         let slot_bytes = chunk_bytes.max(8);
         let sides = if send {
-            [slot_bytes, 0]
+            [slot_bytes, 0, 0]
         } else {
-            [0, slot_bytes]
+            [0, slot_bytes, 0]
         };
         Staging::with_slots(gpu, sides, chunk_bytes)
     }
 
-    /// [`DEPTH`] slots of `[input, output]` bytes.
-    fn with_slots(gpu: Arc<dyn Gpu>, bytes: [usize; 2], chunk_bytes: usize) -> Result<Staging> {
+    /// [`DEPTH`] slots of `[input, output, device]` bytes.
+    fn with_slots(gpu: Arc<dyn Gpu>, bytes: [usize; 3], chunk_bytes: usize) -> Result<Staging> {
         let alloc = |len: usize| match len {
             0 => Ok(Scratch::host(0)),
             _ => gpu.alloc_staging(len),
@@ -251,6 +299,10 @@ impl Staging {
             slots.push(Slot {
                 input: alloc(bytes[0])?,
                 output: alloc(bytes[1])?,
+                device: match bytes[2] {
+                    0 => Scratch::host(0),
+                    len => gpu.alloc_device(len)?,
+                },
             });
         }
         Ok(Staging {
@@ -289,6 +341,52 @@ impl Staging {
             staging: self,
             next,
         })
+    }
+
+    /// Reduces on the GPU what chunk `chunk`'s host collective gathered in
+    /// its slot's output: `inputs` runs of `count` elements of `dtype`, one
+    /// per rank at a stride of `stride` elements, folded in rank order with
+    /// `op` into the device memory `out`. With `back`, the result is also
+    /// copied into the slot's input (for a host collective to pass on). On
+    /// the copy-out stream; the event returned follows it.
+    ///
+    /// # Safety
+    /// `out` must be device memory of `count` elements, valid and otherwise
+    /// untouched until the event; the slot's output must hold the runs.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce(
+        &self,
+        chunk: &Chunk,
+        (op, dtype): (ReduceOp, DataType),
+        inputs: usize,
+        stride: usize,
+        count: usize,
+        out: *mut u8,
+        back: bool,
+    ) -> Result<GpuEvent> {
+        let slot = &self.slots[chunk.slot];
+        let (elem, stream) = (dtype.size(), self.copy_out.raw());
+        let dev = slot.device.buf().as_ptr().cast_mut();
+        let bytes = inputs * stride * elem;
+        if bytes > slot.device.buf().len() || bytes > slot.output.buf().len() {
+            return Err(Error::Internal(format!(
+                "a staged reduction of {bytes} bytes in slots of {}",
+                slot.device.buf().len()
+            )));
+        }
+        if count > 0 {
+            self.gpu
+                .copy(stream, dev, slot.output.buf().as_ptr(), bytes)?;
+            let from: Vec<*const u8> = (0..inputs)
+                .map(|i| dev.add(i * stride * elem).cast_const())
+                .collect();
+            self.gpu.reduce(stream, op, dtype, out, &from, count)?;
+            if back {
+                let host = slot.input.buf().as_ptr().cast_mut();
+                self.gpu.copy(stream, host, out, count * elem)?;
+            }
+        }
+        self.copy_out.record()
     }
 
     /// Copies chunk `chunk`'s result from its slot into the device memory
@@ -387,6 +485,17 @@ impl Launch<'_> {
             Err(e) => chunk.gate = Arc::new(Failed(e)),
         }
         chunk
+    }
+
+    /// The slot of chunk `chunk`: its input and output host memory, and
+    /// the bytes each holds.
+    pub fn slot(&self, chunk: &Chunk) -> (*mut u8, *mut u8, usize) {
+        let slot = &self.staging.slots[chunk.slot];
+        (
+            slot.input.buf().as_ptr().cast_mut(),
+            slot.output.buf().as_ptr().cast_mut(),
+            slot.input.buf().len().min(slot.output.buf().len()),
+        )
     }
 
     /// The host memory chunk `chunk`'s collective reads and writes.

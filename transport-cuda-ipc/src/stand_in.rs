@@ -193,6 +193,10 @@ impl Gpu for StandInGpu {
         Some(true)
     }
 
+    fn prepare_kernels(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn kind_of(&self, ptr: *const u8) -> Result<MemoryKind> {
         let at = ptr as usize;
         let allocations = lock(&self.allocations);
