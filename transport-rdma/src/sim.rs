@@ -201,24 +201,13 @@ pub fn modelled_ns() -> u64 {
 /// peers' clocks are read first: a write a peer posted before its clock
 /// reached the value read is then in the queue read after.
 fn conservative_bound() -> (u64, u64) {
-    let me = std::process::id() as i32;
-    let mut pairs = PAIRS.lock().unwrap_or_else(|p| p.into_inner());
-    pairs.retain(|(own, remote)| own.strong_count() > 0 && remote.strong_count() > 0);
-    let live: Vec<(Arc<Map>, Arc<RemoteQp>)> = pairs
-        .iter()
-        .filter_map(|(own, remote)| Some((own.upgrade()?, remote.upgrade()?)))
-        .collect();
-    drop(pairs);
+    let live = live_pairs();
     let mut bound = u64::MAX;
     for (own, remote) in &live {
-        let Some(peer_clock) = remote.clock.as_ref() else {
+        let Some(peer_clock) = holding_back(own, remote) else {
             continue;
         };
-        if remote.pid == me
-            || FREE_RUNNING.load(Ordering::Relaxed)
-            || own.word(CLOSED).load(Ordering::Acquire) != 0
-            || remote.qp.word(CLOSED).load(Ordering::Acquire) != 0
-        {
+        if FREE_RUNNING.load(Ordering::Relaxed) {
             continue;
         }
         let t = peer_clock.word(CLOCK_WORD).load(Ordering::Acquire);
@@ -235,6 +224,27 @@ fn conservative_bound() -> (u64, u64) {
         pending = pending.min(own.word(HELD_MIN).load(Ordering::Relaxed));
     }
     (bound, pending)
+}
+
+/// The pairs of this process whose queue pairs both still exist (the
+/// others are forgotten).
+fn live_pairs() -> Vec<(Arc<Map>, Arc<RemoteQp>)> {
+    let mut pairs = PAIRS.lock().unwrap_or_else(|p| p.into_inner());
+    pairs.retain(|(own, remote)| own.strong_count() > 0 && remote.strong_count() > 0);
+    pairs
+        .iter()
+        .filter_map(|(own, remote)| Some((own.upgrade()?, remote.upgrade()?)))
+        .collect()
+}
+
+/// The published clock of the peer of pair (`own`, `remote`) if that peer
+/// can hold this process's clock back: another process, whose clock is
+/// known, with neither side of the pair closed.
+fn holding_back<'a>(own: &Map, remote: &'a RemoteQp) -> Option<&'a Map> {
+    let open = own.word(CLOSED).load(Ordering::Acquire) == 0
+        && remote.qp.word(CLOSED).load(Ordering::Acquire) == 0;
+    let other = remote.pid != std::process::id() as i32;
+    remote.clock.as_ref().filter(|_| open && other)
 }
 
 /// Counts in `RECEIVED` the completions that reached queue `qp` since it
@@ -259,19 +269,10 @@ fn count_arrived(qp: &Map) -> u64 {
 /// another, so this is the time before which none can reach this process,
 /// even when each holds the others' clocks back (see the module docs).
 fn snapshot_bound() -> Option<u64> {
-    let me = std::process::id() as i32;
     let own = CLOCK_FILE.get()?;
     let mut peers: Vec<Arc<RemoteQp>> = Vec::new();
-    for (o, r) in PAIRS.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let (Some(o), Some(r)) = (o.upgrade(), r.upgrade()) else {
-            continue;
-        };
-        if r.pid != me
-            && r.clock.is_some()
-            && o.word(CLOSED).load(Ordering::Acquire) == 0
-            && r.qp.word(CLOSED).load(Ordering::Acquire) == 0
-            && !peers.iter().any(|p| p.pid == r.pid)
-        {
+    for (o, r) in live_pairs() {
+        if holding_back(&o, &r).is_some() && !peers.iter().any(|p| p.pid == r.pid) {
             peers.push(r);
         }
     }
