@@ -547,25 +547,10 @@ impl Communicator {
             // The chunk's arguments follow from the call's, checked above;
             // were they refused, the chunk still reports (and is counted).
             let back = staged_out(&staging, layout, chunk.clone(), output, &outcome, true);
-            let Prepared { io, scaled } = match self.prepare(&sub, host_in, host_out) {
-                Ok(prepared) => prepared,
-                Err(e) => {
-                    back(Err(e));
-                    continue;
-                }
-            };
-            let (gate, scale) = (
-                chunk.gate.clone(),
-                (host_in.as_ptr() as usize, host_in.len()),
-            );
+            let scale = (host_in.as_ptr() as usize, host_in.len());
             let then = prescaling(prescale, sub.dtype, scale);
-            let before = staged_in(gate, then);
-            let done = Box::new(move |result: Result<()>| {
-                drop(scaled);
-                back(result)
-            });
-            let choice = self.inner.selection.choice(&sub);
-            self.submit(&sub, choice, io, Some(before), done, false);
+            let before = staged_in(chunk.gate.clone(), then);
+            self.submit_staged(&sub, (host_in, host_out), before, back);
         }
         let call = format!("{coll} on rank {rank}");
         Ok(self.finish(launch, stream, &outcome, work, call))
