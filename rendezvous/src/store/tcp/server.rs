@@ -41,9 +41,34 @@ struct ConnEntry {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The keys and values, and which keys were changed by a request whose
+/// reply is not yet out.
+#[derive(Default)]
+struct Table {
+    values: HashMap<String, Vec<u8>>,
+    /// Key: changes of it whose reply the server has not yet sent.
+    unheard: HashMap<String, usize>,
+}
+
+impl Table {
+    /// Sets `key`, unheard until [`Shared::heard`].
+    fn change(&mut self, key: String, value: Vec<u8>) {
+        *self.unheard.entry(key.clone()).or_default() += 1;
+        self.values.insert(key, value);
+    }
+
+    /// Whether `key` is there, for a waiter: not while the client that
+    /// set it has yet to hear so. A waiter that runs on (a rank 0 that
+    /// exits, with the server in its process) must never leave a setter
+    /// without its reply.
+    fn settled(&self, key: &str) -> bool {
+        self.values.contains_key(key) && !self.unheard.contains_key(key)
+    }
+}
+
 /// What the server's threads share.
 struct Shared {
-    map: Mutex<HashMap<String, Vec<u8>>>,
+    map: Mutex<Table>,
     changed: Condvar,
     /// Set (under `map`'s lock) when the server is dropped.
     stop: AtomicBool,
@@ -58,15 +83,30 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
-    /// Carries out `req`, appending the reply to `out`.
-    fn handle(&self, req: Request, out: &mut Vec<u8>) -> Wire<()> {
+    /// The reply to a change of `key` is out (or will never be): wakes
+    /// its waiters.
+    fn heard(&self, key: &str) {
+        let mut map = lock(&self.map);
+        if let Some(count) = map.unheard.get_mut(key) {
+            *count -= 1;
+            if *count == 0 {
+                map.unheard.remove(key);
+            }
+        }
+        drop(map);
+        self.changed.notify_all();
+    }
+
+    /// Carries out `req`, appending the reply to `out`; returns the key it
+    /// changed, if any, for [`Shared::heard`] once the reply is sent.
+    fn handle(&self, req: Request, out: &mut Vec<u8>) -> Wire<Option<String>> {
         match req {
             Request::Set(key, value) => {
-                lock(&self.map).insert(key, value);
-                self.changed.notify_all();
+                lock(&self.map).change(key.clone(), value);
                 out.push(status::OK);
+                return Ok(Some(key));
             }
-            Request::Get(key) => match lock(&self.map).get(&key) {
+            Request::Get(key) => match lock(&self.map).values.get(&key) {
                 Some(v) => {
                     out.push(status::OK);
                     put_bytes(out, v);
@@ -81,10 +121,7 @@ impl Shared {
                     if self.stopping() {
                         return Err(WireError::Stopped);
                     }
-                    let missing: Vec<&String> = keys
-                        .iter()
-                        .filter(|k| !map.contains_key(k.as_str()))
-                        .collect();
+                    let missing: Vec<&String> = keys.iter().filter(|k| !map.settled(k)).collect();
                     if missing.is_empty() {
                         out.push(status::OK);
                         break;
@@ -107,18 +144,17 @@ impl Shared {
             }
             Request::Add(key, delta) => {
                 let mut map = lock(&self.map);
-                let current = match map.get(&key) {
+                let current = match map.values.get(&key) {
                     Some(v) => parse_counter(&key, v),
                     None => Ok(0),
                 };
                 match current {
                     Ok(c) => {
                         let now = c.wrapping_add(delta);
-                        map.insert(key, now.to_string().into_bytes());
-                        drop(map);
-                        self.changed.notify_all();
+                        map.change(key.clone(), now.to_string().into_bytes());
                         out.push(status::OK);
                         out.extend_from_slice(&now.to_be_bytes());
+                        return Ok(Some(key));
                     }
                     Err(e) => {
                         let msg = match e {
@@ -133,22 +169,23 @@ impl Shared {
             Request::CompareSet(key, expected, desired) => {
                 let mut map = lock(&self.map);
                 out.push(status::OK);
-                if map.get(&key).map(Vec::as_slice) == expected.as_deref() {
+                if map.values.get(&key).map(Vec::as_slice) == expected.as_deref() {
                     put_bytes(out, &desired);
-                    map.insert(key, desired);
-                    drop(map);
-                    self.changed.notify_all();
-                } else {
-                    put_bytes(out, map.get(&key).map(Vec::as_slice).unwrap_or_default());
+                    map.change(key.clone(), desired);
+                    return Ok(Some(key));
                 }
+                put_bytes(
+                    out,
+                    map.values.get(&key).map(Vec::as_slice).unwrap_or_default(),
+                );
             }
             Request::Delete(key) => {
-                let existed = lock(&self.map).remove(&key).is_some();
+                let existed = lock(&self.map).values.remove(&key).is_some();
                 out.push(status::OK);
                 out.push(existed as u8);
             }
         }
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -429,8 +466,12 @@ fn serve_requests(shared: &Shared, stream: TcpStream) -> Wire<()> {
             return Err(WireError::Stopped);
         }
         out.clear();
-        shared.handle(req, &mut out)?;
-        send(&r, &out)?;
+        let changed = shared.handle(req, &mut out)?;
+        let sent = send(&r, &out);
+        if let Some(key) = changed {
+            shared.heard(&key);
+        }
+        sent?;
     }
     Ok(())
 }
@@ -445,6 +486,50 @@ mod tests {
         },
         Store, TcpStore,
     };
+
+    /// A waiter is released by a set (or add) only once the setter's reply
+    /// is out: rank 0, whose process serves the store, may exit as soon as
+    /// its wait returns, and must not cut off a setter still owed its reply.
+    #[test]
+    fn a_waiter_sees_a_change_only_after_its_reply() {
+        let shared = Shared {
+            map: Mutex::default(),
+            changed: Condvar::new(),
+            stop: AtomicBool::new(false),
+            conns: Mutex::default(),
+            local: "127.0.0.1:0".parse().unwrap(),
+            secret: None,
+        };
+        let ask = |req: Request| {
+            let mut out = Vec::new();
+            let changed = shared.handle(req, &mut out).unwrap();
+            (out[0], changed)
+        };
+        let wait =
+            |key: &str, ms: u64| ask(Request::Wait(vec![key.into()], Duration::from_millis(ms))).0;
+        for (key, change) in [
+            ("set", Request::Set("set".into(), b"v".to_vec())),
+            ("add", Request::Add("add".into(), 1)),
+            (
+                "cas",
+                Request::CompareSet("cas".into(), None, b"v".to_vec()),
+            ),
+        ] {
+            assert_eq!(ask(change), (status::OK, Some(key.to_string())));
+            // Readers see it at once; waiters not before the reply.
+            assert_eq!(ask(Request::Get(key.into())).0, status::OK);
+            assert_eq!(wait(key, 30), status::TIMEOUT);
+            thread::scope(|s| {
+                let waiter = s.spawn(|| wait(key, 10_000));
+                thread::sleep(Duration::from_millis(20));
+                shared.heard(key);
+                assert_eq!(waiter.join().unwrap(), status::OK);
+            });
+        }
+        // Nothing changed, nothing owed.
+        assert_eq!(ask(Request::Get("set".into())).1, None);
+        assert_eq!(ask(Request::Delete("set".into())).1, None);
+    }
 
     #[test]
     fn server_dropped_while_waiting() {
