@@ -38,11 +38,7 @@ pub(crate) fn load() -> Result<()> {
                     tried.join(", ")
                 )));
             }
-            let mut version: c_int = 0;
-            // SAFETY: present in every driver; writes one int.
-            check(unsafe { cu::cuDriverGetVersion(&mut version) }, || {
-                "CUDA cuDriverGetVersion".into()
-            })?;
+            let version = driver_version()?;
             if version < MIN_DRIVER {
                 return Err(Error::Unsupported(format!(
                     "CUDA driver {}.{} is older than 12.0, which ccl needs",
@@ -54,6 +50,30 @@ pub(crate) fn load() -> Result<()> {
             check(unsafe { cu::cuInit(0) }, || "CUDA cuInit".into())
         })
         .clone()
+}
+
+/// The driver's CUDA version (12040 for 12.4).
+fn driver_version() -> Result<c_int> {
+    let mut version: c_int = 0;
+    // SAFETY: present in every driver; writes one int.
+    check(unsafe { cu::cuDriverGetVersion(&mut version) }, || {
+        "CUDA cuDriverGetVersion".into()
+    })?;
+    Ok(version)
+}
+
+/// Loads function `f` now if it is not yet: `cuFuncLoad` from driver 12.4;
+/// before it, reading an attribute loads it.
+fn func_load(version: c_int, f: cu::CUfunction) -> CUresult {
+    // SAFETY: `f` is a function of a loaded module; out-parameters.
+    unsafe {
+        if version >= 12040 {
+            return cu::cuFuncLoad(f);
+        }
+        let mut threads: c_int = 0;
+        let max_threads = cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK;
+        cu::cuFuncGetAttribute(&mut threads, max_threads, f)
+    }
 }
 
 /// Whether this process uses CUDA: the calling thread has a current
@@ -216,6 +236,7 @@ impl CudaGpu {
         let minor = self.attribute(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = self.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let ptx = kernels::compile((major * 10 + minor) as u32)?;
+        let version = driver_version()?;
         let _bound = self.bind()?;
         let mut module = ptr::null_mut();
         // SAFETY: NUL-terminated PTX; the module lives as long as the device value.
@@ -232,19 +253,11 @@ impl CudaGpu {
                 unsafe { cu::cuModuleGetFunction(&mut f, module, c.as_ptr()) },
                 || format!("CUDA cuModuleGetFunction({name})"),
             )?;
-            // Under lazy loading this loads the function now, not at a
-            // launch that queued work may hold up.
-            let mut threads: c_int = 0;
-            check(
-                unsafe {
-                    cu::cuFuncGetAttribute(
-                        &mut threads,
-                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK,
-                        f,
-                    )
-                },
-                || format!("CUDA cuFuncGetAttribute({name})"),
-            )?;
+            // Under lazy loading (the default since CUDA 12.2) a function
+            // is loaded at its first launch, and loading may wait for the
+            // context's streams: a staged reduction's launch would then
+            // wait for streams that wait for it. Load each one now.
+            check(func_load(version, f), || format!("CUDA cuFuncLoad({name})"))?;
             functions.insert(name, f);
         }
         Ok(Kernels {
