@@ -22,11 +22,19 @@ use ccl_core::{
 use ccl_transport_cuda_ipc::{
     cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut},
     ipc::{self, Direct, IpcDone, IpcGroup, DESCRIPTION_BYTES, HANDLE_BYTES},
-    staging::{Chunk, Later, Launch, Layout, Staging},
+    staging::{Chunk, Later, Launch, Layout, Staging, DEPTH},
     Gpu, GpuEvent, Stream,
 };
 
 use crate::{call::Prepared, engine::Before, Communicator};
+
+/// How many chunks late a staged allreduce queues each chunk's second host
+/// collective (the allgather of what the GPU reduced), so that the links
+/// move later chunks while the GPU reduces. At most `DEPTH - 1`: chunk
+/// `k`'s second collective must come before chunk `k + DEPTH`'s first,
+/// which waits for chunk `k`'s slot; one less gives that slot a chunk's
+/// time to come free.
+const SECOND_LAG: usize = DEPTH - 2;
 
 /// A staged call's parts still to report (each chunk, and its launch), the
 /// first error among them, and the completer the last one uses.
@@ -292,7 +300,7 @@ impl Communicator {
                 ..whole
             },
         };
-        let mut launch = staging.launch_after(start)?;
+        let mut launch = staging.launch_after(start, self.timeout())?;
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
@@ -530,7 +538,7 @@ impl Communicator {
             return self.stage_reduction(coll, &staging, input, output, stream);
         }
         let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
-        let mut launch = staging.launch(stream)?;
+        let mut launch = staging.launch(stream, self.timeout())?;
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
@@ -583,13 +591,17 @@ impl Communicator {
         // Loading kernels may wait for the context's streams, and the
         // caller's will wait for this call's chunks: load them first.
         staging.gpu().prepare_kernels()?;
-        let mut launch = staging.launch(stream)?;
+        let mut launch = staging.launch(stream, self.timeout())?;
         let chunks = layout.chunks();
         tracing::debug!(rank, call = %coll, chunks, "staged, reduced on the GPU");
         let (work, outcome) = Outcome::new(chunks);
         // A pre-multiplied sum scales the staged input on the host, then sums.
         let prescale = matches!(coll.op, ReduceOp::PreMulSum(_)).then_some(coll.op);
         let op = prescale.map_or(coll.op, |_| ReduceOp::Sum);
+        // An allreduce's second collectives, queued SECOND_LAG chunks
+        // late: the engine runs collectives in turn, and one that waits for
+        // the GPU's reduction would leave the links idle meanwhile.
+        let mut seconds = std::collections::VecDeque::new();
         for k in 0..chunks {
             let chunk = launch.stage_in(&layout, input as *const u8, k);
             let (slot_in, slot_out, slot_bytes) = launch.slot(&chunk);
@@ -666,7 +678,7 @@ impl Communicator {
                         what: "the GPU to reduce the staged chunk",
                         then: None,
                     };
-                    self.submit_staged(&second, io_second, gate, done_at);
+                    seconds.push_back((second, io_second, gate, done_at));
                 }
                 // The reduction is the result; the chunk ends after it.
                 None => {
@@ -676,6 +688,14 @@ impl Communicator {
                     self.submit_staged(&first, io_first, first_in, after_first);
                 }
             }
+            while seconds.len() > SECOND_LAG {
+                if let Some((second, io, gate, done_at)) = seconds.pop_front() {
+                    self.submit_staged(&second, io, gate, done_at);
+                }
+            }
+        }
+        for (second, io, gate, done_at) in seconds {
+            self.submit_staged(&second, io, gate, done_at);
         }
         let call = format!("{coll} on rank {rank}");
         Ok(self.finish(launch, stream, &outcome, work, call))

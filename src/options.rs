@@ -65,7 +65,8 @@ pub struct Options {
     pub cuda_ipc_direct: usize,
     /// Staged reductions reduce on the GPU, the hosts only moving data
     /// (`CCL_CUDA_STAGED_GPU_REDUCE=1`; default off: the host collective
-    /// reduces, the path checked on a GPU); every rank must use the same.
+    /// reduces, which was faster on the GPU machine measured); every rank
+    /// must use the same.
     pub cuda_staged_gpu_reduce: bool,
 }
 

@@ -18,7 +18,7 @@
 //! ([`Staging::reduce`]).
 
 use std::{
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Condvar, Mutex, MutexGuard},
     time::{Duration, Instant},
 };
 
@@ -28,6 +28,17 @@ use crate::gpu::{Flags, Gpu, GpuEvent, Stream};
 
 /// Slots of pinned memory, so chunks in flight at once.
 pub const DEPTH: usize = 4;
+
+/// How many chunks a call may queue on the GPU beyond those whose results
+/// are on their way back. A chunk's copies wait on the GPU for its slot to
+/// come free, so queued chunks hold the copy-in stream, and the driver
+/// blocks a thread that queues onto a full stream; were that the caller
+/// while the engine needs the driver to queue the copies that free the
+/// slots, neither would go on. Past this many, the caller waits on the host
+/// (a call of more than `AHEAD` chunks returns once its first chunks are
+/// through). Collectives only: a caller must queue every send and receive
+/// of a group before any of them can finish.
+pub const AHEAD: u64 = 64;
 
 /// How a call's buffers are cut into chunks on one rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,6 +152,12 @@ pub struct Staging {
     /// Chunks staged in so far; held for a whole call so that its chunks
     /// are numbered (and their collectives queued) without interleaving.
     next: Mutex<u64>,
+    /// Chunks whose copies back were queued, and its change.
+    queued_out: Mutex<u64>,
+    out_queued: Condvar,
+    /// How many chunks a call queues beyond those ([`AHEAD`]; none for
+    /// transfers).
+    ahead: Option<u64>,
 }
 
 /// A failed step, as the gate of its chunk: the chunk's collective fails
@@ -254,6 +271,9 @@ impl Event for StagedOut {
 pub struct Launch<'a> {
     staging: &'a Staging,
     next: MutexGuard<'a, u64>,
+    /// When waiting to queue a chunk ([`AHEAD`]) fails it.
+    deadline: Instant,
+    timeout: Duration,
 }
 
 impl Staging {
@@ -271,7 +291,12 @@ impl Staging {
         // each), and a reduction's chunk is cut in n equal pieces.
         let slot_bytes = chunk_bytes.max(8 * world_size) + 8 * world_size;
         let device = if reduce_on_gpu { slot_bytes } else { 0 };
-        Staging::with_slots(gpu, [slot_bytes, slot_bytes, device], chunk_bytes)
+        Staging::with_slots(
+            gpu,
+            [slot_bytes, slot_bytes, device],
+            chunk_bytes,
+            Some(AHEAD),
+        )
     }
 
     /// Staging for one direction of point-to-point transfers (`send`: the
@@ -285,11 +310,16 @@ impl Staging {
         } else {
             [0, slot_bytes, 0]
         };
-        Staging::with_slots(gpu, sides, chunk_bytes)
+        Staging::with_slots(gpu, sides, chunk_bytes, None)
     }
 
     /// [`DEPTH`] slots of `[input, output, device]` bytes.
-    fn with_slots(gpu: Arc<dyn Gpu>, bytes: [usize; 3], chunk_bytes: usize) -> Result<Staging> {
+    fn with_slots(
+        gpu: Arc<dyn Gpu>,
+        bytes: [usize; 3],
+        chunk_bytes: usize,
+        ahead: Option<u64>,
+    ) -> Result<Staging> {
         let alloc = |len: usize| match len {
             0 => Ok(Scratch::host(0)),
             _ => gpu.alloc_staging(len),
@@ -313,6 +343,9 @@ impl Staging {
             slots,
             chunk_bytes,
             next: Mutex::new(0),
+            queued_out: Mutex::new(0),
+            out_queued: Condvar::new(),
+            ahead,
         })
     }
 
@@ -327,20 +360,40 @@ impl Staging {
     }
 
     /// Starts staging a call: its first copy will wait for the work queued
-    /// on `user` so far.
-    pub fn launch(&self, user: &Stream) -> Result<Launch<'_>> {
-        self.launch_after(&user.record()?)
+    /// on `user` so far. Waiting to queue its chunks fails after `timeout`.
+    pub fn launch(&self, user: &Stream, timeout: Duration) -> Result<Launch<'_>> {
+        self.launch_after(&user.record()?, timeout)
     }
 
     /// Starts staging a call whose first copy waits for `start` (recorded
     /// on the caller's stream).
-    pub fn launch_after(&self, start: &GpuEvent) -> Result<Launch<'_>> {
+    pub fn launch_after(&self, start: &GpuEvent, timeout: Duration) -> Result<Launch<'_>> {
         let next = self.next.lock().unwrap_or_else(|p| p.into_inner());
         self.copy_in.wait(start)?;
         Ok(Launch {
             staging: self,
             next,
+            deadline: Instant::now() + timeout,
+            timeout,
         })
+    }
+
+    /// Waits until the copies back of `count` chunks were queued, or the
+    /// deadline; whether they were.
+    fn wait_queued_out(&self, count: u64, deadline: Instant) -> bool {
+        let mut queued = self.queued_out.lock().unwrap_or_else(|p| p.into_inner());
+        while *queued < count {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            queued = self
+                .out_queued
+                .wait_timeout(queued, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
     }
 
     /// Reduces on the GPU what chunk `chunk`'s host collective gathered in
@@ -425,6 +478,8 @@ impl Staging {
             self.done.device_address(0),
             chunk.id.wrapping_add(1),
         );
+        *self.queued_out.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.out_queued.notify_all();
         staged_in.and(copied).and(counted)
     }
 }
@@ -465,6 +520,15 @@ impl Launch<'_> {
         };
         let (gpu, stream) = (&staging.gpu, staging.copy_in.raw());
         let staged = (|| {
+            if let Some(ahead) = staging.ahead.filter(|&a| total >= a) {
+                if !staging.wait_queued_out(total + 1 - ahead, self.deadline) {
+                    return Err(Error::Timeout {
+                        context: format!("staging chunk {k} of a device call"),
+                        what: format!("the copies back of chunks {ahead} before it to be queued"),
+                        after: self.timeout,
+                    });
+                }
+            }
             if total >= DEPTH as u64 {
                 // The slot's previous chunk must be back on the device.
                 let value = id.wrapping_sub(DEPTH as u32).wrapping_add(1);
