@@ -7,7 +7,7 @@ use std::{sync::atomic::Ordering, time::Duration};
 
 use ccl_core::{AbortNotice, Error, Result};
 
-use super::{lock, Shared};
+use super::Shared;
 
 /// How long aborting may spend telling the peers.
 const ABORT_NOTICE_DEADLINE: Duration = Duration::from_secs(2);
@@ -37,14 +37,7 @@ impl Shared {
             ok => ok,
         };
         if let Err(e) = &result {
-            let first = {
-                let mut b = lock(&self.broken);
-                let first = b.is_none();
-                if first {
-                    *b = Some(e.clone());
-                }
-                first
-            };
+            let first = self.set_broken(e);
             if first {
                 tracing::error!(rank, "{e}");
                 self.abort_links(e).await;

@@ -125,6 +125,8 @@ pub(super) struct Shared {
     /// The rank whose process serves the store, if one does.
     store_host: Option<usize>,
     broken: Mutex<Option<Error>>,
+    /// Whether `broken` holds an error: read on every call, without a lock.
+    is_broken: AtomicBool,
     queue: Mutex<Queue>,
     /// Wakes the progress thread when it sleeps outside the runtime.
     wake_thread: Condvar,
@@ -154,7 +156,22 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn broken(&self) -> Option<Error> {
-        lock(&self.broken).clone()
+        match self.is_broken.load(Ordering::Acquire) {
+            true => lock(&self.broken).clone(),
+            false => None,
+        }
+    }
+
+    /// Breaks the communicator with `e` unless it is already; whether this
+    /// was the first failure.
+    fn set_broken(&self, e: &Error) -> bool {
+        let mut b = lock(&self.broken);
+        let first = b.is_none();
+        if first {
+            *b = Some(e.clone());
+            self.is_broken.store(true, Ordering::Release);
+        }
+        first
     }
 
     /// The error of a call made on a broken or dropped communicator.
@@ -177,7 +194,7 @@ impl Shared {
 
     /// Runs one job to completion (or failure), breaking the communicator on error.
     async fn run(&self, mut job: Job, scratch: &mut Option<Scratch>) {
-        if self.broken().is_some() {
+        if self.is_broken.load(Ordering::Acquire) {
             return self.fail_broken(job);
         }
         if let Some(before) = job.before.take() {
@@ -330,6 +347,7 @@ impl Engine {
             store,
             store_host,
             broken: Mutex::new(None),
+            is_broken: AtomicBool::new(false),
             queue: Mutex::new(Queue::default()),
             wake_thread: Condvar::new(),
             wake_task: Notify::new(),
@@ -354,7 +372,7 @@ impl Engine {
     /// Runs or queues a job. With `inline`, a collective that finds nothing
     /// queued runs on this thread before `submit` returns.
     pub fn submit(&self, job: Job, inline: bool) {
-        if self.shared.broken().is_some() {
+        if self.shared.is_broken.load(Ordering::Acquire) {
             return self.shared.fail_broken(job);
         }
         // Driving the runtime from inside another runtime would panic.
@@ -417,7 +435,7 @@ impl Engine {
             q.driving = true;
         }
         let call = call();
-        let result = if self.shared.broken().is_some() {
+        let result = if self.shared.is_broken.load(Ordering::Acquire) {
             Err(self.shared.broken_error())
         } else {
             match group::run(algorithm, &**mem, &call, io, timeout) {
@@ -466,14 +484,7 @@ impl Engine {
             return;
         }
         let e = self.shared.aborted_error();
-        let first = {
-            let mut b = lock(&self.shared.broken);
-            let first = b.is_none();
-            if first {
-                *b = Some(e.clone());
-            }
-            first
-        };
+        let first = self.shared.set_broken(&e);
         if first {
             tracing::warn!(rank = self.shared.rank, "{e}");
             if tokio::runtime::Handle::try_current().is_err() {

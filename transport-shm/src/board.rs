@@ -253,8 +253,10 @@ impl Board {
             return Ok(());
         }
         let bd = self;
-        let started = Instant::now();
-        let at = deadline.at(started);
+        // The clock is read first after POLLS_PER_CLOCK polls (in a VM a
+        // read costs as much as a small call's other work): the spin window
+        // and the deadline start then.
+        let mut started: Option<(Instant, Instant)> = None;
         let window = bd.window.get();
         let mut asleep: Option<Instant> = None;
         let mut polls = 0u32;
@@ -276,6 +278,7 @@ impl Board {
                 continue;
             }
             let now = Instant::now();
+            let (started, at) = *started.get_or_insert_with(|| (now, deadline.at(now)));
             if now.duration_since(started) < window {
                 continue;
             }
