@@ -300,7 +300,7 @@ impl Communicator {
                 ..whole
             },
         };
-        let mut launch = staging.launch_after(start, self.timeout())?;
+        let mut launch = staging.launch_after(start)?;
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
@@ -538,7 +538,7 @@ impl Communicator {
             return self.stage_reduction(coll, &staging, input, output, stream);
         }
         let layout = Layout::new(coll, rank, n, staging.chunk_bytes());
-        let mut launch = staging.launch(stream, self.timeout())?;
+        let mut launch = staging.launch(stream)?;
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
@@ -591,7 +591,7 @@ impl Communicator {
         // Loading kernels may wait for the context's streams, and the
         // caller's will wait for this call's chunks: load them first.
         staging.gpu().prepare_kernels()?;
-        let mut launch = staging.launch(stream, self.timeout())?;
+        let mut launch = staging.launch(stream)?;
         let chunks = layout.chunks();
         tracing::debug!(rank, call = %coll, chunks, "staged, reduced on the GPU");
         let (work, outcome) = Outcome::new(chunks);

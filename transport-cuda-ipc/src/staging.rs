@@ -18,7 +18,7 @@
 //! ([`Staging::reduce`]).
 
 use std::{
-    sync::{Arc, Condvar, Mutex, MutexGuard},
+    sync::{Arc, Mutex, MutexGuard, OnceLock},
     time::{Duration, Instant},
 };
 
@@ -29,16 +29,16 @@ use crate::gpu::{Flags, Gpu, GpuEvent, Stream};
 /// Slots of pinned memory, so chunks in flight at once.
 pub const DEPTH: usize = 4;
 
-/// How many chunks a call may queue on the GPU beyond those whose results
-/// are on their way back. A chunk's copies wait on the GPU for its slot to
-/// come free, so queued chunks hold the copy-in stream, and the driver
-/// blocks a thread that queues onto a full stream; were that the caller
-/// while the engine needs the driver to queue the copies that free the
-/// slots, neither would go on. Past this many, the caller waits on the host
-/// (a call of more than `AHEAD` chunks returns once its first chunks are
-/// through). Collectives only: a caller must queue every send and receive
-/// of a group before any of them can finish.
-pub const AHEAD: u64 = 64;
+/// How many chunks may be queued on the copy-in stream beyond those whose
+/// copies back are queued. A chunk's copies wait on the GPU for its slot to
+/// come free, so queued chunks hold the copy-in stream; the driver blocks a
+/// thread that queues onto a full stream, and were that the caller while the
+/// engine needs the driver to queue the copies back that free the slots,
+/// neither would go on (a 16384-chunk send hung so on an H200). Later chunks
+/// wait on the host, in order, and whoever queues a copy back queues those
+/// whose turn it is: the caller never waits. Twice the slots: chunks past
+/// those wait for a slot anyway.
+pub const AHEAD: u64 = 2 * DEPTH as u64;
 
 /// How a call's buffers are cut into chunks on one rank.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,7 +121,7 @@ pub struct Chunk {
     /// counted as done only after it, even when its collective failed
     /// before, so that the caller's stream is never released while a copy
     /// still reads the caller's memory.
-    copied: Option<Arc<GpuEvent>>,
+    copied: Arc<OnceLock<Arc<GpuEvent>>>,
 }
 
 impl Chunk {
@@ -152,12 +152,23 @@ pub struct Staging {
     /// Chunks staged in so far; held for a whole call so that its chunks
     /// are numbered (and their collectives queued) without interleaving.
     next: Mutex<u64>,
-    /// Chunks whose copies back were queued, and its change.
-    queued_out: Mutex<u64>,
-    out_queued: Condvar,
-    /// How many chunks a call queues beyond those ([`AHEAD`]; none for
-    /// transfers).
-    ahead: Option<u64>,
+    /// What waits its turn for the copy-in stream ([`AHEAD`]).
+    flow: Mutex<Flow>,
+    /// Takes a caller's start event while copy-in work waits its turn, so
+    /// that the copy-in stream can wait for it in that turn.
+    entry: Stream,
+}
+
+/// Work for the copy-in stream that waits on the host for its turn.
+type Deferred = Box<dyn FnOnce(&Staging) + Send>;
+
+/// The copies back queued so far, and the copy-in work waiting for them.
+#[derive(Default)]
+struct Flow {
+    queued_out: u64,
+    /// In order; each runs once `queued_out` reaches its number and all
+    /// before it ran.
+    backlog: std::collections::VecDeque<(u64, Deferred)>,
 }
 
 /// A failed step, as the gate of its chunk: the chunk's collective fails
@@ -271,9 +282,6 @@ impl Event for StagedOut {
 pub struct Launch<'a> {
     staging: &'a Staging,
     next: MutexGuard<'a, u64>,
-    /// When waiting to queue a chunk ([`AHEAD`]) fails it.
-    deadline: Instant,
-    timeout: Duration,
 }
 
 impl Staging {
@@ -291,12 +299,7 @@ impl Staging {
         // each), and a reduction's chunk is cut in n equal pieces.
         let slot_bytes = chunk_bytes.max(8 * world_size) + 8 * world_size;
         let device = if reduce_on_gpu { slot_bytes } else { 0 };
-        Staging::with_slots(
-            gpu,
-            [slot_bytes, slot_bytes, device],
-            chunk_bytes,
-            Some(AHEAD),
-        )
+        Staging::with_slots(gpu, [slot_bytes, slot_bytes, device], chunk_bytes)
     }
 
     /// Staging for one direction of point-to-point transfers (`send`: the
@@ -310,16 +313,11 @@ impl Staging {
         } else {
             [0, slot_bytes, 0]
         };
-        Staging::with_slots(gpu, sides, chunk_bytes, None)
+        Staging::with_slots(gpu, sides, chunk_bytes)
     }
 
     /// [`DEPTH`] slots of `[input, output, device]` bytes.
-    fn with_slots(
-        gpu: Arc<dyn Gpu>,
-        bytes: [usize; 3],
-        chunk_bytes: usize,
-        ahead: Option<u64>,
-    ) -> Result<Staging> {
+    fn with_slots(gpu: Arc<dyn Gpu>, bytes: [usize; 3], chunk_bytes: usize) -> Result<Staging> {
         let alloc = |len: usize| match len {
             0 => Ok(Scratch::host(0)),
             _ => gpu.alloc_staging(len),
@@ -338,14 +336,13 @@ impl Staging {
         Ok(Staging {
             copy_in: Stream::new(gpu.clone())?,
             copy_out: Stream::new(gpu.clone())?,
+            entry: Stream::new(gpu.clone())?,
             done: Arc::new(Flags::new(&*gpu, 1)?),
             gpu,
             slots,
             chunk_bytes,
             next: Mutex::new(0),
-            queued_out: Mutex::new(0),
-            out_queued: Condvar::new(),
-            ahead,
+            flow: Mutex::default(),
         })
     }
 
@@ -360,40 +357,69 @@ impl Staging {
     }
 
     /// Starts staging a call: its first copy will wait for the work queued
-    /// on `user` so far. Waiting to queue its chunks fails after `timeout`.
-    pub fn launch(&self, user: &Stream, timeout: Duration) -> Result<Launch<'_>> {
-        self.launch_after(&user.record()?, timeout)
+    /// on `user` so far.
+    pub fn launch(&self, user: &Stream) -> Result<Launch<'_>> {
+        self.launch_after(&user.record()?)
     }
 
     /// Starts staging a call whose first copy waits for `start` (recorded
     /// on the caller's stream).
-    pub fn launch_after(&self, start: &GpuEvent, timeout: Duration) -> Result<Launch<'_>> {
+    pub fn launch_after(&self, start: &GpuEvent) -> Result<Launch<'_>> {
         let next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        self.copy_in.wait(start)?;
+        let mut flow = self.flow.lock().unwrap_or_else(|p| p.into_inner());
+        if flow.backlog.is_empty() {
+            drop(flow);
+            self.copy_in.wait(start)?;
+        } else {
+            // The copy-in stream must not wait for the caller's stream
+            // (which waits for earlier calls) before their chunks are queued.
+            self.entry.wait(start)?;
+            let started = self.entry.record()?;
+            flow.backlog.push_back((
+                0,
+                Box::new(move |staging: &Staging| {
+                    if let Err(e) = staging.copy_in.wait(&started) {
+                        tracing::error!(
+                            "staging: the copy-in stream cannot wait for a call's start: {e}"
+                        );
+                    }
+                }),
+            ));
+        }
         Ok(Launch {
             staging: self,
             next,
-            deadline: Instant::now() + timeout,
-            timeout,
         })
     }
 
-    /// Waits until the copies back of `count` chunks were queued, or the
-    /// deadline; whether they were.
-    fn wait_queued_out(&self, count: u64, deadline: Instant) -> bool {
-        let mut queued = self.queued_out.lock().unwrap_or_else(|p| p.into_inner());
-        while *queued < count {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            queued = self
-                .out_queued
-                .wait_timeout(queued, left)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
+    /// Runs `op` now if nothing waits before it and the copies back of
+    /// `need` chunks are queued; else queues it to run in its turn.
+    fn in_turn(&self, need: u64, op: Deferred) {
+        let mut flow = self.flow.lock().unwrap_or_else(|p| p.into_inner());
+        if flow.backlog.is_empty() && flow.queued_out >= need {
+            // Only the caller staging a call adds work, so none can be
+            // added before this runs.
+            drop(flow);
+            op(self);
+        } else {
+            flow.backlog.push_back((need, op));
         }
-        true
+    }
+
+    /// Counts a queued copy back, and runs the copy-in work whose turn it is
+    /// (under the lock: in order, whoever counts).
+    fn queued_out(&self) {
+        let mut flow = self.flow.lock().unwrap_or_else(|p| p.into_inner());
+        flow.queued_out += 1;
+        while flow
+            .backlog
+            .front()
+            .is_some_and(|(need, _)| *need <= flow.queued_out)
+        {
+            if let Some((_, op)) = flow.backlog.pop_front() {
+                op(self);
+            }
+        }
     }
 
     /// Reduces on the GPU what chunk `chunk`'s host collective gathered in
@@ -457,7 +483,7 @@ impl Staging {
         ok: bool,
     ) -> Result<()> {
         let slot = &self.slots[chunk.slot];
-        let staged_in = match &chunk.copied {
+        let staged_in = match chunk.copied.get() {
             Some(event) => self.copy_out.wait(event),
             None => Ok(()),
         };
@@ -478,8 +504,7 @@ impl Staging {
             self.done.device_address(0),
             chunk.id.wrapping_add(1),
         );
-        *self.queued_out.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        self.out_queued.notify_all();
+        self.queued_out();
         staged_in.and(copied).and(counted)
     }
 }
@@ -506,48 +531,45 @@ impl Launch<'_> {
     /// `input` must be the call's device input, valid and unwritten until
     /// the chunk's gate has happened.
     pub unsafe fn stage_in(&mut self, layout: &Layout, input: *const u8, k: usize) -> Chunk {
-        let staging = self.staging;
         let total = *self.next;
         *self.next += 1;
         let id = total as u32;
         let slot = (total % DEPTH as u64) as usize;
-        let mut chunk = Chunk {
+        let later = Arc::new(Later::default());
+        let chunk = Chunk {
             id,
             span: layout.chunk(k),
             slot,
-            gate: Arc::new(Failed(Error::Internal("chunk not staged".into()))),
-            copied: None,
+            gate: later.clone(),
+            copied: Arc::default(),
         };
-        let (gpu, stream) = (&staging.gpu, staging.copy_in.raw());
-        let staged = (|| {
-            if let Some(ahead) = staging.ahead.filter(|&a| total >= a) {
-                if !staging.wait_queued_out(total + 1 - ahead, self.deadline) {
-                    return Err(Error::Timeout {
-                        context: format!("staging chunk {k} of a device call"),
-                        what: format!("the copies back of chunks {ahead} before it to be queued"),
-                        after: self.timeout,
-                    });
+        let (layout, span, copied) = (*layout, chunk.span, chunk.copied.clone());
+        let input = input as usize;
+        let copy_in = move |staging: &Staging| {
+            let (gpu, stream) = (&staging.gpu, staging.copy_in.raw());
+            let staged = (|| {
+                if total >= DEPTH as u64 {
+                    // The slot's previous chunk must be back on the device.
+                    let value = id.wrapping_sub(DEPTH as u32).wrapping_add(1);
+                    gpu.wait_word(stream, staging.done.device_address(0), value)?;
                 }
-            }
-            if total >= DEPTH as u64 {
-                // The slot's previous chunk must be back on the device.
-                let value = id.wrapping_sub(DEPTH as u32).wrapping_add(1);
-                gpu.wait_word(stream, staging.done.device_address(0), value)?;
-            }
-            let host = staging.slots[slot].input.buf().as_ptr().cast_mut();
-            for (dev, at, bytes) in pieces(layout, &chunk.span, layout.blocks_in) {
-                gpu.copy(stream, host.add(at), input.add(dev), bytes)?;
-            }
-            staging.copy_in.record()
-        })();
-        match staged {
-            Ok(event) => {
+                let host = staging.slots[slot].input.buf().as_ptr().cast_mut();
+                for (dev, at, bytes) in pieces(&layout, &span, layout.blocks_in) {
+                    let from = (input as *const u8).wrapping_add(dev);
+                    // SAFETY: the caller's input, valid until the gate
+                    // (this function's contract), and the slot's memory.
+                    unsafe { gpu.copy(stream, host.add(at), from, bytes)? };
+                }
+                staging.copy_in.record()
+            })();
+            later.set(staged.map(|event| {
                 let event = Arc::new(event);
-                chunk.gate = event.clone();
-                chunk.copied = Some(event);
-            }
-            Err(e) => chunk.gate = Arc::new(Failed(e)),
-        }
+                let _ = copied.set(event.clone());
+                event as Arc<dyn Event>
+            }));
+        };
+        let need = (total + 1).saturating_sub(AHEAD);
+        self.staging.in_turn(need, Box::new(copy_in));
         chunk
     }
 

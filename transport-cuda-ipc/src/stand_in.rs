@@ -8,6 +8,11 @@
 //! events and words block only that stream. It exercises everything the
 //! staging pipeline and the communicator do with a GPU except the device
 //! itself. Chosen with `CCL_CUDA_STAND_IN=1` (see [`crate::open`]).
+//!
+//! A stream holds at most [`STREAM_QUEUE`] operations not yet run: queuing
+//! onto a full one blocks, and holds up every other thread's queuing onto
+//! any stream of the GPU meanwhile, as the driver did on an H200 (a rank
+//! that queued hundreds of staged chunks hung so; see `staging::AHEAD`).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -28,6 +33,9 @@ use crate::gpu::{Exported, Gpu, RawEvent, RawStream};
 
 type Op = Box<dyn FnOnce() + Send>;
 
+/// Operations a stream holds before queuing onto it blocks.
+pub const STREAM_QUEUE: usize = 256;
+
 /// Device allocations: start address → length, the memfd's number, and a
 /// serial number (so that a handle never names two allocations, as a memfd
 /// number may once the first is freed).
@@ -41,7 +49,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct StandInGpu {
     ordinal: u32,
     allocations: Allocations,
-    streams: Mutex<HashMap<RawStream, mpsc::Sender<Op>>>,
+    streams: Mutex<HashMap<RawStream, mpsc::SyncSender<Op>>>,
     events: Mutex<HashMap<RawEvent, Arc<AtomicBool>>>,
     next_handle: AtomicU64,
 }
@@ -61,7 +69,7 @@ impl StandInGpu {
     }
 
     fn spawn_stream(&self, id: RawStream) -> Result<()> {
-        let (tx, rx) = mpsc::channel::<Op>();
+        let (tx, rx) = mpsc::sync_channel::<Op>(STREAM_QUEUE);
         thread::Builder::new()
             .name(format!("gpu{}-stream{id}", self.ordinal))
             .spawn(move || rx.into_iter().for_each(|op| op()))
@@ -71,6 +79,7 @@ impl StandInGpu {
     }
 
     fn enqueue(&self, stream: RawStream, op: Op) -> Result<()> {
+        // Held while a full stream blocks the send: the driver's way.
         let streams = lock(&self.streams);
         let tx = streams.get(&stream).ok_or_else(|| {
             Error::InvalidArgument(format!("{}: no stream {stream:#x}", self.name()))
