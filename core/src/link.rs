@@ -34,6 +34,28 @@ impl Reduction<'_> {
         self.kernels
             .reduce(self.op, self.dtype, into, local, received)
     }
+
+    /// Checks what the kernels would reject before any byte is read, so
+    /// that a bad buffer fails without leaving a stream in the middle of a
+    /// frame: `into` (and `local`, of the same length) must be whole,
+    /// aligned elements. `peer` names the sender in the error.
+    pub fn check_host(&self, into: &[u8], local: Option<&[u8]>, peer: usize) -> Result<()> {
+        let size = self.dtype.size();
+        let misaligned = |b: &[u8]| !b.is_empty() && b.as_ptr() as usize % size != 0;
+        if into.len() % size != 0
+            || misaligned(into)
+            || local.is_some_and(|l| l.len() != into.len() || misaligned(l))
+        {
+            return Err(crate::Error::Internal(format!(
+                "receive-and-reduce from rank {peer}: {} buffers of {} bytes (local: {:?}) are not whole, aligned {} elements",
+                self.dtype,
+                into.len(),
+                local.map(<[u8]>::len),
+                self.dtype
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Reduction<'_> {

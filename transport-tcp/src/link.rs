@@ -376,24 +376,8 @@ impl TcpLink {
         reduction: Reduction<'_>,
     ) -> Result<()> {
         self.check_len(&expect, into.len())?;
-        let dtype = reduction.dtype;
         let local = reduction.local.map(BufRef::host).transpose()?;
-        // Check what the kernel would reject before reading, so that a bad
-        // buffer fails without leaving the stream in the middle of a frame.
-        let size = dtype.size();
-        let misaligned = |b: &[u8]| !b.is_empty() && b.as_ptr() as usize % size != 0;
-        if into.len() % size != 0
-            || misaligned(into)
-            || local.is_some_and(|l| l.len() != into.len() || misaligned(l))
-        {
-            return Err(Error::Internal(format!(
-                "receive-and-reduce from rank {}: {} buffers of {} bytes (local: {:?}) are not whole, aligned {dtype} elements",
-                self.peer,
-                dtype,
-                into.len(),
-                local.map(<[u8]>::len)
-            )));
-        }
+        reduction.check_host(into, local, self.peer)?;
         if !self.striped(into.len()) {
             return self
                 .reduce_stripe(0, &expect, into, local, &reduction)
