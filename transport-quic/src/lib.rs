@@ -26,6 +26,7 @@ mod cc;
 mod identity;
 mod link;
 mod mesh;
+mod pool;
 
 use std::{
     net::{IpAddr, Ipv4Addr},

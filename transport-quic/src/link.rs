@@ -39,11 +39,13 @@ use std::time::Duration;
 
 use ccl_core::{
     frame::HEADER_LEN, AbortNotice, BufMut, BufRef, Error, FrameHeader, FrameKind, Link,
-    LinkFuture, Result,
+    LinkFuture, Reduction, Result,
 };
 use futures::{stream::FuturesUnordered, StreamExt};
 use quinn::{Connection, ConnectionError, Endpoint, ReadExactError, VarInt, WriteError};
 use tokio::sync::Mutex;
+
+use crate::pool::PiecePool;
 
 /// Pieces of a message: each goes on its own unidirectional stream.
 pub const PIECE: usize = 1024 * 1024;
@@ -51,6 +53,11 @@ pub const PIECE: usize = 1024 * 1024;
 pub const SEND_WINDOW: usize = 16;
 /// Streams of one message a receiver reads at once (at least `SEND_WINDOW`).
 const RECV_WINDOW: usize = 32;
+/// Send buffers a link keeps for reuse (see [`PiecePool`]): enough for the
+/// pieces being written and those written and not yet acknowledged.
+const KEEP_BUFFERS: usize = 2 * SEND_WINDOW;
+/// A receive-and-reduce reads and reduces each piece in blocks of this many bytes.
+const REDUCE_BLOCK: usize = 64 * 1024;
 /// Application close code of an abort (the reason is the notice).
 pub const ABORT_CODE: u32 = 0xCC1A;
 /// Application close code of a link dropped at the end.
@@ -72,6 +79,8 @@ pub(crate) struct QuicLink {
     aborted: AtomicBool,
     /// Streams sent and not yet acknowledged.
     unacked: Arc<Unacked>,
+    /// Buffers that hold what quinn sends until it is acknowledged.
+    pool: Arc<PiecePool>,
     /// Keeps the accepting task (strangers are logged) as long as a link lives.
     _guard: std::sync::Arc<crate::mesh::AbortOnDrop>,
 }
@@ -98,6 +107,7 @@ impl QuicLink {
             receiving: Mutex::new(()),
             aborted: AtomicBool::new(false),
             unacked: Unacked::registered(),
+            pool: PiecePool::new(KEEP_BUFFERS),
             _guard: guard,
         }
     }
@@ -180,7 +190,7 @@ impl QuicLink {
         let first = pieces.next().unwrap_or(&[]);
         let mut writing = FuturesUnordered::new();
         let piece = |s: quinn::SendStream, prefix: Option<[u8; HEADER_LEN]>, bytes: &'a [u8]| async move {
-            let s = send_piece(s, prefix, bytes)
+            let s = send_piece(s, &self.pool, prefix, bytes)
                 .await
                 .map_err(|e| self.write_error(e))?;
             self.await_ack(s);
@@ -204,7 +214,14 @@ impl QuicLink {
         Ok(())
     }
 
-    async fn recv_pieces(&self, expect: FrameHeader, into: &mut [u8]) -> Result<()> {
+    /// Receives a message into `into`, or, given a reduction, reduces it
+    /// into `into` (with `local`, if any, as the other operand).
+    async fn recv_pieces<'b>(
+        &self,
+        expect: FrameHeader,
+        into: &'b mut [u8],
+        reduce: Option<(&Reduction<'_>, Option<&[u8]>)>,
+    ) -> Result<()> {
         if expect.len != into.len() as u64 {
             return Err(Error::Internal(format!(
                 "expected header says {} bytes, the buffer has {}",
@@ -230,20 +247,40 @@ impl QuicLink {
             return Err(self.protocol("abort frame on a data stream".into()));
         }
         expect.check_received(&got, self.rank, self.peer)?;
-        let mut pieces = into.chunks_mut(PIECE);
-        let mut reading = FuturesUnordered::new();
-        reading.push(read_piece(first, pieces.next().unwrap_or(&mut [])));
-        for buf in pieces {
-            while reading.len() >= RECV_WINDOW {
-                if let Some(r) = reading.next().await {
-                    r.map_err(|e| self.read_error(e))?;
+        let read = |s: quinn::RecvStream, at: usize, buf: &'b mut [u8]| async move {
+            let r = match reduce {
+                None => read_piece(s, buf).await,
+                Some((reduction, local)) => {
+                    let local = local.map(|l| &l[at..at + buf.len()]);
+                    reduce_piece(s, buf, local, reduction).await
                 }
+            };
+            r.map_err(|e| match e {
+                PieceError::Read(e) => self.read_error(e),
+                PieceError::Reduce(e) => e,
+            })
+        };
+        let mut pieces = into.chunks_mut(PIECE).enumerate().peekable();
+        let mut reading = FuturesUnordered::new();
+        let (_, buf) = pieces.next().unwrap_or((0, &mut []));
+        reading.push(read(first, 0, buf));
+        // Accept the next stream while reading those accepted, never one
+        // after the other: the sender gets to send more (on any stream, the
+        // next one's first bytes included) only as the streams accepted are
+        // read, so waiting for the next stream without reading deadlocks
+        // once the connection's receive window is full.
+        loop {
+            let more = pieces.peek().is_some() && reading.len() < RECV_WINDOW;
+            tokio::select! {
+                biased;
+                Some(r) = reading.next(), if !reading.is_empty() => r?,
+                s = accept(), if more => {
+                    if let Some((i, buf)) = pieces.next() {
+                        reading.push(read(s?, i * PIECE, buf));
+                    }
+                }
+                else => break,
             }
-            let s = accept().await?;
-            reading.push(read_piece(s, buf));
-        }
-        while let Some(r) = reading.next().await {
-            r.map_err(|e| self.read_error(e))?;
         }
         Ok(())
     }
@@ -314,20 +351,33 @@ impl Unacked {
     }
 }
 
-/// Writes one piece (after `prefix`) on its own stream, finishes it and
-/// waits until the peer acknowledged all of it.
-/// Writes one piece (after `prefix`, if any) and finishes its stream.
+/// Writes one piece (after `prefix`, if any), copied into a buffer of
+/// `pool`, and finishes its stream.
 async fn send_piece(
     mut s: quinn::SendStream,
+    pool: &Arc<PiecePool>,
     prefix: Option<[u8; HEADER_LEN]>,
     bytes: &[u8],
 ) -> std::result::Result<quinn::SendStream, WriteError> {
-    if let Some(p) = prefix {
-        s.write_all(&p).await?;
-    }
-    s.write_all(bytes).await?;
+    let chunk = match &prefix {
+        Some(p) => pool.bytes(&[p, bytes]),
+        None => pool.bytes(&[bytes]),
+    };
+    s.write_chunk(chunk).await?;
     let _ = s.finish();
     Ok(s)
+}
+
+/// Why reading a piece failed.
+enum PieceError {
+    Read(ReadExactError),
+    Reduce(Error),
+}
+
+impl From<ReadExactError> for PieceError {
+    fn from(e: ReadExactError) -> PieceError {
+        PieceError::Read(e)
+    }
 }
 
 /// Reads one piece and the end of its stream (a stream dropped before its
@@ -335,13 +385,49 @@ async fn send_piece(
 async fn read_piece(
     mut s: quinn::RecvStream,
     buf: &mut [u8],
-) -> std::result::Result<(), ReadExactError> {
+) -> std::result::Result<(), PieceError> {
     s.read_exact(buf).await?;
+    read_end(s).await
+}
+
+/// Reads the end of a stream whose piece was read.
+async fn read_end(mut s: quinn::RecvStream) -> std::result::Result<(), PieceError> {
     match s.read(&mut [0u8; 1]).await {
         Ok(None) => Ok(()),
-        Ok(Some(_)) => Err(ReadExactError::FinishedEarly(usize::MAX)),
-        Err(e) => Err(ReadExactError::ReadError(e)),
+        Ok(Some(_)) => Err(ReadExactError::FinishedEarly(usize::MAX).into()),
+        Err(e) => Err(ReadExactError::ReadError(e).into()),
     }
+}
+
+/// Reads one piece in blocks of [`REDUCE_BLOCK`] bytes, each into a small
+/// scratch buffer (aligned for every element type, and still in cache when
+/// it is reduced), and reduces each into `into`; then the end of its stream.
+async fn reduce_piece(
+    mut s: quinn::RecvStream,
+    into: &mut [u8],
+    local: Option<&[u8]>,
+    reduction: &Reduction<'_>,
+) -> std::result::Result<(), PieceError> {
+    let mut scratch = vec![0u64; REDUCE_BLOCK.min(into.len()).div_ceil(8)];
+    let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch);
+    let mut off = 0;
+    while off < into.len() {
+        let n = (into.len() - off).min(REDUCE_BLOCK);
+        s.read_exact(&mut scratch[..n]).await?;
+        let r = off..off + n;
+        reduction
+            .kernels
+            .reduce(
+                reduction.op,
+                reduction.dtype,
+                BufMut::from_host(&mut into[r.clone()]),
+                local.map(|l| BufRef::from_host(&l[r])),
+                BufRef::from_host(&scratch[..n]),
+            )
+            .map_err(PieceError::Reduce)?;
+        off += n;
+    }
+    read_end(s).await
 }
 
 impl Link for QuicLink {
@@ -366,7 +452,24 @@ impl Link for QuicLink {
     }
 
     fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
-        Box::pin(async move { self.recv_pieces(expect, into.host()?).await })
+        Box::pin(async move { self.recv_pieces(expect, into.host()?, None).await })
+    }
+
+    /// Reduces each piece as it arrives, through a small scratch buffer,
+    /// rather than receiving the whole message into scratch memory first.
+    fn recv_reduce<'a>(
+        &'a self,
+        expect: FrameHeader,
+        into: BufMut<'a>,
+        reduction: Reduction<'a>,
+    ) -> LinkFuture<'a, ()> {
+        Box::pin(async move {
+            let local = reduction.local.map(BufRef::host).transpose()?;
+            let into = into.host()?;
+            reduction.check_host(into, local, self.peer)?;
+            self.recv_pieces(expect, into, Some((&reduction, local)))
+                .await
+        })
     }
 
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
