@@ -91,19 +91,28 @@ pub struct QuicOptions {
     pub local_ip: IpAddr,
     /// Congestion controller.
     pub cc: CongestionControl,
+    /// Receive window of every connection, in bytes (`CCL_QUIC_WINDOW`, at
+    /// least [`MIN_WINDOW`]); `None`: on loopback, what the UDP socket's
+    /// receive buffer holds (no datagram is lost to a full buffer), between
+    /// hosts 64 MiB (see `mesh`).
+    pub receive_window: Option<u32>,
 }
+
+/// The smallest receive window `CCL_QUIC_WINDOW` may set.
+pub const MIN_WINDOW: u32 = 64 * 1024;
 
 impl Default for QuicOptions {
     fn default() -> QuicOptions {
         QuicOptions {
             local_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             cc: CongestionControl::Bbr,
+            receive_window: None,
         }
     }
 }
 
 impl QuicOptions {
-    /// The options `CCL_QUIC_CC` sets, bound to the route to the store's host.
+    /// The options `CCL_QUIC_CC` and `CCL_QUIC_WINDOW` set, bound to the route to the store's host.
     pub fn from_config(config: &Config) -> Result<QuicOptions> {
         let local_ip = match &config.rendezvous {
             Rendezvous::Tcp { host, port, .. } | Rendezvous::TorchAgent { host, port, .. } => {
@@ -115,9 +124,16 @@ impl QuicOptions {
             Some(v) => v.parse().map_err(Error::Config)?,
             None => QuicOptions::default().cc,
         };
+        const WINDOW: &str = "CCL_QUIC_WINDOW";
+        let receive_window = config
+            .knob(WINDOW)
+            .map(|_| config.knob_number(WINDOW, 0, MIN_WINDOW as usize..=u32::MAX as usize))
+            .transpose()?
+            .map(|w| w as u32);
         Ok(QuicOptions {
             local_ip: local_ip.unwrap_or(QuicOptions::default().local_ip),
             cc,
+            receive_window,
         })
     }
 }
@@ -149,16 +165,20 @@ fn interface_mtu(ip: IpAddr) -> Option<u32> {
         .ok()
 }
 
-/// Transport parameters: windows large enough that a 256 MiB message on
-/// loopback is not bound by flow control, many uni streams, and an idle
+/// Transport parameters: the connection's receive window (see `mesh`),
+/// 4 MiB per stream, many uni streams, and an idle
 /// timeout of min(timeout, 10 s) with keep-alives at a third of it, so a
 /// vanished peer fails a call within seconds.
-pub(crate) fn transport_config(options: &QuicOptions, timeout: Duration) -> Arc<TransportConfig> {
+pub(crate) fn transport_config(
+    options: &QuicOptions,
+    timeout: Duration,
+    receive_window: u32,
+) -> Arc<TransportConfig> {
     let mut t = TransportConfig::default();
     t.max_concurrent_uni_streams(VarInt::from_u32(1024))
         .max_concurrent_bidi_streams(VarInt::from_u32(4))
         .stream_receive_window(VarInt::from_u32(4 * 1024 * 1024))
-        .receive_window(VarInt::from_u32(64 * 1024 * 1024))
+        .receive_window(VarInt::from_u32(receive_window))
         .send_window(64 * 1024 * 1024);
     // Datagrams as large as the interface carries: MTU discovery probes up
     // to its MTU (65 536 on loopback; the endpoint accepts up to 65 527
@@ -262,5 +282,27 @@ impl Connector for mesh::Listening {
         _: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(vars: &[(&str, &str)]) -> Result<QuicOptions> {
+        QuicOptions::from_config(&Config::from_vars(vars.iter().copied())?)
+    }
+
+    #[test]
+    fn the_window_knob_is_bytes_within_bounds() {
+        assert_eq!(options(&[]).unwrap().receive_window, None);
+        let w = options(&[("CCL_QUIC_WINDOW", "1048576")]).unwrap();
+        assert_eq!(w.receive_window, Some(1 << 20));
+        for bad in ["1000", "16M", "5000000000"] {
+            let e = options(&[("CCL_QUIC_WINDOW", bad)])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("CCL_QUIC_WINDOW"), "{bad}: {e}");
+        }
     }
 }

@@ -36,6 +36,10 @@ const CONTEXT: &str = "QUIC mesh set-up";
 const MAX_UDP_PAYLOAD: u16 = 65_527;
 /// UDP socket buffer size asked for.
 const UDP_BUFFER: usize = 16 * 1024 * 1024;
+/// Smallest receive window on loopback (see [`bind_udp`]).
+const MIN_RECEIVE_WINDOW: usize = 256 * 1024;
+/// Receive window between hosts, and the largest on loopback.
+const MAX_RECEIVE_WINDOW: usize = 64 * 1024 * 1024;
 
 /// The runtime every QUIC endpoint and connection of this process runs on: a
 /// thread of its own, so that packets (acknowledgements, keep-alives) are
@@ -142,6 +146,8 @@ pub(crate) struct Listening {
     admitted: Option<mpsc::UnboundedReceiver<(usize, Connection)>>,
     acceptor: Arc<AbortOnDrop>,
     started: Instant,
+    /// Receive window of every connection (see [`bind_udp`]).
+    receive_window: u32,
 }
 
 fn config_error(what: &str, e: impl std::fmt::Display) -> Error {
@@ -176,22 +182,10 @@ pub(crate) fn listen_and_publish(setup: &Setup, options: &QuicOptions) -> Result
     tls.alpn_protocols = vec![ALPN.to_vec()];
     let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| config_error("server TLS config", e))?;
-    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-    server.transport_config(transport_config(options, setup.timeout));
     let bind = SocketAddr::new(options.local_ip, 0);
-    let socket = UdpSocket::bind(bind).map_err(|e| Error::io(format!("binding UDP {bind}"), e))?;
-    // Large socket buffers: the kernel's default (208 KiB) drops bursts of
-    // datagrams, which congestion control reads as loss. Capped by
-    // net.core.rmem_max/wmem_max; best effort.
-    let sock = socket2::SockRef::from(&socket);
-    let _ = sock.set_recv_buffer_size(UDP_BUFFER);
-    let _ = sock.set_send_buffer_size(UDP_BUFFER);
-    tracing::debug!(
-        rank,
-        recv = ?sock.recv_buffer_size(),
-        send = ?sock.send_buffer_size(),
-        "UDP socket buffers"
-    );
+    let (socket, receive_window) = bind_udp(bind, rank, options.receive_window)?;
+    let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+    server.transport_config(transport_config(options, setup.timeout, receive_window));
     // Accept datagrams up to UDP's limit, so MTU discovery can use them.
     let mut endpoint_config = EndpointConfig::default();
     endpoint_config
@@ -237,7 +231,51 @@ pub(crate) fn listen_and_publish(setup: &Setup, options: &QuicOptions) -> Result
         admitted: Some(admitted),
         acceptor,
         started,
+        receive_window,
     })
+}
+
+/// Binds the endpoint's UDP socket with large buffers, and returns it with
+/// the receive window its connections open: `window` if set; else, on
+/// loopback, what the kernel lets the socket hold, and elsewhere
+/// [`MAX_RECEIVE_WINDOW`].
+///
+/// The socket buffer is asked for [`UDP_BUFFER`] (capped by
+/// `net.core.rmem_max`/`wmem_max`). A datagram that arrives while the buffer
+/// is full is dropped, and the sender reads that as loss: it sends again, and
+/// congestion control slows down. On loopback, with a 64 MiB window and
+/// `rmem_max` at 4 MiB, a fifth of the packets of a 256 MiB allreduce were
+/// lost that way. A peer never has more unread data in flight than the
+/// window, so a window no larger than the buffer loses nothing there, and
+/// loopback's bandwidth-delay product is tiny. Linux reports twice the size
+/// granted (the other half is its bookkeeping), so the size granted is half
+/// the size reported. Between hosts the window must cover the path's
+/// bandwidth-delay product (5 MB at 1 Gbit/s and 40 ms), which the default
+/// `rmem_max` (208 KiB) would cap at a few percent of the line: there the
+/// window stays large, and loss to a full buffer is left to congestion
+/// control (a larger `rmem_max` avoids it).
+fn bind_udp(bind: SocketAddr, rank: usize, window: Option<u32>) -> Result<(UdpSocket, u32)> {
+    let socket = UdpSocket::bind(bind).map_err(|e| Error::io(format!("binding UDP {bind}"), e))?;
+    let sock = socket2::SockRef::from(&socket);
+    let _ = sock.set_recv_buffer_size(UDP_BUFFER);
+    let _ = sock.set_send_buffer_size(UDP_BUFFER);
+    let granted = sock
+        .recv_buffer_size()
+        .map_err(|e| Error::io("reading the UDP receive buffer size", e))?
+        / 2;
+    let window = window.unwrap_or(if bind.ip().is_loopback() {
+        granted.clamp(MIN_RECEIVE_WINDOW, MAX_RECEIVE_WINDOW) as u32
+    } else {
+        MAX_RECEIVE_WINDOW as u32
+    });
+    tracing::debug!(
+        rank,
+        recv = granted,
+        send = ?sock.send_buffer_size(),
+        window,
+        "UDP socket buffers and QUIC receive window"
+    );
+    Ok((socket, window))
 }
 
 /// Accepts connections until stopped; once the fingerprints are known, each
@@ -369,7 +407,11 @@ impl Listening {
         let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls)
             .map_err(|e| config_error("client TLS config", e))?;
         let mut config = quinn::ClientConfig::new(Arc::new(crypto));
-        config.transport_config(transport_config(&self.options, self.setup.timeout));
+        config.transport_config(transport_config(
+            &self.options,
+            self.setup.timeout,
+            self.receive_window,
+        ));
         Ok(config)
     }
 

@@ -5,10 +5,12 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use ccl_core::{
     AbortNotice, BufMut, BufRef, CollectiveKind, DataType, Error, Fingerprint, FrameHeader, Link,
-    Setup, Store,
+    ReduceOp, Reduction, Setup, Store, HOST_KERNELS,
 };
 use ccl_rendezvous::HashStore;
-use ccl_transport_quic::{connect_mesh, decode_published, Identity, PinnedServer, QuicOptions};
+use ccl_transport_quic::{
+    connect_mesh, decode_published, Identity, PinnedServer, QuicOptions, MIN_WINDOW,
+};
 
 type Links = Vec<Option<Arc<dyn Link>>>;
 
@@ -45,6 +47,20 @@ where
     F: Fn(usize, Links) -> Fut + Sync,
     Fut: Future<Output = T>,
 {
+    run_ranks_with(world, store, &QuicOptions::default(), body)
+}
+
+fn run_ranks_with<T, F, Fut>(
+    world: usize,
+    store: &Arc<HashStore>,
+    options: &QuicOptions,
+    body: F,
+) -> Vec<T>
+where
+    T: Send,
+    F: Fn(usize, Links) -> Fut + Sync,
+    Fut: Future<Output = T>,
+{
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..world)
             .map(|rank| {
@@ -53,9 +69,7 @@ where
                 s.spawn(move || {
                     runtime().block_on(async {
                         tokio::time::timeout(LIMIT, async {
-                            let links = connect_mesh(&setup, &QuicOptions::default())
-                                .await
-                                .expect("mesh set-up");
+                            let links = connect_mesh(&setup, options).await.expect("mesh set-up");
                             body(rank, links).await
                         })
                         .await
@@ -122,6 +136,64 @@ async fn exchange(rank: usize, links: &Links) {
         };
         tokio::join!(sends, recvs);
     }
+}
+
+/// A receive window far smaller than a message, and than the pieces a
+/// sender writes at once: both ranks send and receive at once, plainly and
+/// reduced, and every byte arrives. (A receiver that stopped reading the
+/// streams it had while it waited for the next one deadlocked here.)
+#[test]
+fn a_small_receive_window_carries_large_messages_both_ways() {
+    const LEN: usize = 8 * 1024 * 1024 + 8;
+    let options = QuicOptions {
+        receive_window: Some(MIN_WINDOW),
+        ..QuicOptions::default()
+    };
+    let store = Arc::new(HashStore::new());
+    run_ranks_with(2, &store, &options, |rank, links| async move {
+        let peer = 1 - rank;
+        let link = links[peer].as_ref().unwrap();
+        let data = pattern(rank, peer, 0, LEN);
+        let mut got = vec![0u8; LEN];
+        let (sent, received) = tokio::join!(
+            link.send(header(0, LEN), BufRef::from_host(&data[..])),
+            link.recv(header(0, LEN), BufMut::from_host(&mut got[..]))
+        );
+        sent.unwrap();
+        received.unwrap();
+        assert!(got == pattern(peer, rank, 0, LEN), "message to {rank}");
+
+        let n = LEN / 4;
+        let value = |r: usize, i: usize| (i % 1000 + 3 * r) as f32;
+        let h = FrameHeader::data(
+            COMM,
+            1,
+            0,
+            LEN,
+            Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, n).with_op(ReduceOp::Sum),
+        );
+        let mine: Vec<f32> = (0..n).map(|i| value(rank, i)).collect();
+        let mut into = mine.clone();
+        let reduction = Reduction {
+            op: ReduceOp::Sum,
+            dtype: DataType::F32,
+            local: None,
+            kernels: &HOST_KERNELS,
+        };
+        let (sent, reduced) = tokio::join!(
+            link.send(h, BufRef::from_host(bytemuck::cast_slice(&mine[..]))),
+            link.recv_reduce(
+                h,
+                BufMut::from_host(bytemuck::cast_slice_mut(&mut into[..])),
+                reduction
+            )
+        );
+        sent.unwrap();
+        reduced.unwrap();
+        for (i, v) in into.iter().enumerate() {
+            assert_eq!(*v, value(0, i) + value(1, i), "element {i} on rank {rank}");
+        }
+    });
 }
 
 #[test]
