@@ -215,12 +215,12 @@ impl QuicLink {
     }
 
     /// Receives a message into `into`, or, given a reduction, reduces it
-    /// into `into` (with `local`, if any, as the other operand).
+    /// into `into`.
     async fn recv_pieces<'b>(
         &self,
         expect: FrameHeader,
         into: &'b mut [u8],
-        reduce: Option<(&Reduction<'_>, Option<&[u8]>)>,
+        reduce: Option<&Reduction<'_>>,
     ) -> Result<()> {
         if expect.len != into.len() as u64 {
             return Err(Error::Internal(format!(
@@ -250,10 +250,7 @@ impl QuicLink {
         let read = |s: quinn::RecvStream, at: usize, buf: &'b mut [u8]| async move {
             let r = match reduce {
                 None => read_piece(s, buf).await,
-                Some((reduction, local)) => {
-                    let local = local.map(|l| &l[at..at + buf.len()]);
-                    reduce_piece(s, buf, local, reduction).await
-                }
+                Some(reduction) => reduce_piece(s, buf, at, reduction).await,
             };
             r.map_err(|e| match e {
                 PieceError::Read(e) => self.read_error(e),
@@ -401,11 +398,12 @@ async fn read_end(mut s: quinn::RecvStream) -> std::result::Result<(), PieceErro
 
 /// Reads one piece in blocks of [`REDUCE_BLOCK`] bytes, each into a small
 /// scratch buffer (aligned for every element type, and still in cache when
-/// it is reduced), and reduces each into `into`; then the end of its stream.
+/// it is reduced), and reduces each into `into`, which lies `at` bytes into
+/// the message; then the end of its stream.
 async fn reduce_piece(
     mut s: quinn::RecvStream,
     into: &mut [u8],
-    local: Option<&[u8]>,
+    at: usize,
     reduction: &Reduction<'_>,
 ) -> std::result::Result<(), PieceError> {
     let mut scratch = vec![0u64; REDUCE_BLOCK.min(into.len()).div_ceil(8)];
@@ -414,14 +412,10 @@ async fn reduce_piece(
     while off < into.len() {
         let n = (into.len() - off).min(REDUCE_BLOCK);
         s.read_exact(&mut scratch[..n]).await?;
-        let r = off..off + n;
         reduction
-            .kernels
-            .reduce(
-                reduction.op,
-                reduction.dtype,
-                BufMut::from_host(&mut into[r.clone()]),
-                local.map(|l| BufRef::from_host(&l[r])),
+            .apply(
+                BufMut::from_host(&mut into[off..off + n]),
+                at + off,
                 BufRef::from_host(&scratch[..n]),
             )
             .map_err(PieceError::Reduce)?;
@@ -467,8 +461,7 @@ impl Link for QuicLink {
             let local = reduction.local.map(BufRef::host).transpose()?;
             let into = into.host()?;
             reduction.check_host(into, local, self.peer)?;
-            self.recv_pieces(expect, into, Some((&reduction, local)))
-                .await
+            self.recv_pieces(expect, into, Some(&reduction)).await
         })
     }
 
