@@ -76,6 +76,17 @@ pub trait GroupMemory: Send + Sync {
         deadline: &Deadline,
     ) -> Result<&[u8]>;
 
+    /// The smallest block, in bytes, that group algorithms copy straight
+    /// out of another rank's buffer ([`GroupMemory::read_direct`], at an
+    /// address that rank posted) rather than through its posts: one copy
+    /// instead of two. `None` where some rank cannot; the same on every rank.
+    fn direct_min(&self) -> Option<usize>;
+
+    /// Copies `into.len()` bytes at address `addr` of rank `rank`'s memory
+    /// into `into`. The caller makes sure, through posts, that the memory
+    /// stays valid and unchanged until it has read it.
+    fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()>;
+
     /// Tells the other ranks that this rank gave up because of rank `blame`:
     /// those waiting for it fail at once, naming that rank.
     fn abort(&self, blame: usize);

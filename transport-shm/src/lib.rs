@@ -18,6 +18,7 @@
 //! the same on both sides, so that the pair falls to the next transport.
 
 mod board;
+mod cma;
 mod doorbell;
 mod link;
 mod segment;
@@ -37,7 +38,7 @@ use ccl_core::{
     Setup, Spin, Transport,
 };
 use ccl_rendezvous::Config;
-use nix::{sys::uio::RemoteIoVec, unistd::Pid};
+use nix::unistd::Pid;
 
 pub use board::{board_slot_bytes, connect_board, Board};
 pub use link::REF_MIN;
@@ -148,6 +149,7 @@ impl Transport for ShmTransport {
             &self.options.dir,
             setup.timeout,
             spin,
+            self.options.cma,
         )?;
         Ok(match board {
             Ok(b) => Some(Arc::new(b)),
@@ -228,35 +230,6 @@ impl Offer {
 /// Segments created by this process so far (part of their names).
 pub(crate) static SEGMENTS: AtomicU64 = AtomicU64::new(0);
 
-/// Logs the first refusal of cross-memory attach in this process.
-static CMA_REFUSED: AtomicBool = AtomicBool::new(false);
-
-/// Whether this process can read `peer`'s segment at `base` through
-/// cross-memory attach (ptrace policy may forbid it): reads the magic word.
-fn probe_cma(peer: Pid, base: u64) -> bool {
-    let mut word = [0u8; 8];
-    let ok =
-        process_vm_read(peer, base, &mut word).is_ok() && u64::from_le_bytes(word) == link::MAGIC;
-    if !ok && !CMA_REFUSED.swap(true, Ordering::Relaxed) {
-        tracing::warn!(
-            "cross-memory attach to pid {peer} refused (ptrace policy?): large shared-memory messages are copied twice"
-        );
-    }
-    ok
-}
-
-fn process_vm_read(pid: Pid, addr: u64, into: &mut [u8]) -> nix::Result<usize> {
-    let len = into.len();
-    nix::sys::uio::process_vm_readv(
-        pid,
-        &mut [std::io::IoSliceMut::new(into)],
-        &[RemoteIoVec {
-            base: addr as usize,
-            len,
-        }],
-    )
-}
-
 /// Sets up shared-memory links from `setup.rank` to each of `peers` (ranks
 /// of this host), through the communicator's store. Every peer must call
 /// this with this rank among its peers. Must run inside a tokio runtime,
@@ -296,7 +269,7 @@ fn connect(
     let link_to = |p: usize, seg: Segment, o: &Offer| -> Result<Arc<dyn Link>> {
         let peer_bell = Bell::new(&o.bell)
             .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
-        let can_read = opts.cma && probe_cma(Pid::from_raw(o.pid), o.base);
+        let can_read = opts.cma && cma::probe(Pid::from_raw(o.pid), o.base, link::MAGIC);
         seg.word(link::side(usize::from(rank > p)) + CMA_OK)
             .store(if can_read { 1 } else { 2 }, Ordering::Release);
         Ok(Arc::new(ShmLink::new(

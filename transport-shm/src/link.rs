@@ -28,7 +28,6 @@
 
 use std::{
     future::{poll_fn, Future},
-    io::IoSliceMut,
     os::fd::{FromRawFd, OwnedFd},
     pin::Pin,
     sync::{
@@ -44,13 +43,11 @@ use ccl_core::{
     AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
     Reduction, Repoll, Result, Spin,
 };
-use nix::{
-    sys::uio::{process_vm_readv, RemoteIoVec},
-    unistd::Pid,
-};
+use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
 
 use crate::{
+    cma::{self, Fault},
     doorbell::{Bell, Doorbell},
     segment::Segment,
     window::SpinWindow,
@@ -437,30 +434,10 @@ impl ShmLink {
 
     /// Reads `into.len()` bytes of the peer's memory at `addr`.
     fn read_remote(&self, addr: u64, into: &mut [u8]) -> Result<()> {
-        let mut done = 0;
-        while done < into.len() {
-            let remote = RemoteIoVec {
-                base: addr as usize + done,
-                len: into.len() - done,
-            };
-            match process_vm_readv(
-                self.peer_pid,
-                &mut [IoSliceMut::new(&mut into[done..])],
-                &[remote],
-            ) {
-                Ok(0) => return Err(self.protocol(format!("no bytes at address {addr:#x}"))),
-                Ok(n) => done += n,
-                Err(nix::errno::Errno::EINTR) => {}
-                Err(nix::errno::Errno::ESRCH) => return Err(self.lost("its process exited")),
-                Err(e) => {
-                    return Err(self.protocol(format!(
-                        "reading {} bytes at {addr:#x} of its memory: {e}",
-                        into.len()
-                    )))
-                }
-            }
-        }
-        Ok(())
+        cma::read(self.peer_pid, addr, into).map_err(|fault| match fault {
+            Fault::Exited => self.lost("its process exited"),
+            Fault::Refused(why) => self.protocol(why),
+        })
     }
 
     /// Receives one frame into `sink`.

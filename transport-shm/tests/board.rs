@@ -49,6 +49,7 @@ fn ranks<T: Send + 'static>(
                     Path::new(SHM_DIR),
                     Duration::from_secs(20),
                     SPIN,
+                    true,
                 )
                 .expect("store")
                 .expect("board");

@@ -30,6 +30,14 @@ use ccl_core::{kernels, Call, CollectiveKind, Deadline, Error, GroupMemory, Memo
 use super::Round;
 use crate::IoBuffers;
 
+/// The largest block that several ranks read straight out of its owner's
+/// buffer (allgather, broadcast, more than two ranks). Beyond the caches
+/// each reader fetches it from memory again, while a post is fetched once
+/// and its readers find it in cache: on a 2-core VM, 4 ranks, allgather of
+/// 64 MiB reached 2.2 GB/s by direct reads against 2.7–3.0 through posts,
+/// and broadcast from 1 MiB 10–30% less.
+const SHARED_DIRECT_MAX: usize = 512 * 1024;
+
 /// One board call: the call and whether it runs as board-direct.
 pub(super) struct BoardCall<'a> {
     pub call: &'a Call,
@@ -158,6 +166,9 @@ impl BoardCall<'_> {
         // Board-direct reduces into scratch where this rank has no output.
         let mut scratch = Vec::new();
         let deadline = Deadline::after(timeout);
+        if self.reads_directly(mem, part) {
+            return self.read_directly(mem, input, output, &deadline);
+        }
         let mut off = 0;
         let mut step = u32::from(direct);
         loop {
@@ -276,6 +287,135 @@ impl BoardCall<'_> {
                 return Ok(());
             }
         }
+    }
+
+    /// Whether the call copies its blocks straight out of the other ranks'
+    /// buffers: it moves data without reducing it, in blocks of at least
+    /// the size from which the memory offers direct reads (the same answer
+    /// on every rank).
+    fn reads_directly(&self, mem: &dyn GroupMemory, part: usize) -> bool {
+        let kind = self.call.coll.kind;
+        let moves = matches!(
+            kind,
+            CollectiveKind::AllGather
+                | CollectiveKind::Gather
+                | CollectiveKind::AllToAll
+                | CollectiveKind::Broadcast
+                | CollectiveKind::Scatter
+        );
+        let shared = matches!(kind, CollectiveKind::AllGather | CollectiveKind::Broadcast)
+            && self.call.world_size > 2;
+        moves
+            && part > 0
+            && (!shared || part <= SHARED_DIRECT_MAX)
+            && mem.direct_min().is_some_and(|min| part >= min)
+    }
+
+    /// Moves the call's blocks in one round of direct reads: every rank
+    /// posts the address and length of its input, reads the blocks it
+    /// needs out of the others' inputs straight into its output, says it is
+    /// done (the round's second phase), and returns once every rank that
+    /// reads its input has said so.
+    fn read_directly(
+        &self,
+        mem: &dyn GroupMemory,
+        input: (*mut u8, usize),
+        output: (*mut u8, usize),
+        deadline: &Deadline,
+    ) -> Result<()> {
+        let (call, coll) = (self.call, &self.call.coll);
+        let (n, me, root) = (call.world_size, call.rank, coll.root);
+        let part = self.layout(n).1;
+        let round = Round::begin(mem, call.header(0, 0), deadline)?;
+        let mut mine = [0u8; 16];
+        mine[..8].copy_from_slice(&(input.0 as u64).to_le_bytes());
+        mine[8..].copy_from_slice(&(input.1 as u64).to_le_bytes());
+        round.post(&mine)?;
+        // Every rank's header is checked before a byte moves: a rank that
+        // made another call is a mismatch.
+        let mut sources = Vec::with_capacity(n);
+        for r in 0..n {
+            let posted = round.read(r, mine.len())?;
+            let word =
+                |at: usize| u64::from_le_bytes(posted[at..at + 8].try_into().expect("8 bytes"));
+            sources.push((word(0), word(8)));
+        }
+        // Block `b` of rank `r`'s input, into `to`.
+        let fetch = |r: usize, b: usize, to: &mut [u8]| -> Result<()> {
+            let (addr, len) = sources[r];
+            let at = (b * part) as u64;
+            if at + to.len() as u64 > len {
+                return Err(Error::Protocol {
+                    rank: me,
+                    peer: r,
+                    call: String::new(),
+                    msg: format!("its input has {len} bytes, without block {b} of {part} bytes"),
+                });
+            }
+            mem.read_direct(r, addr + at, to)
+        };
+        // SAFETY (for both): as in `chunks`. Blocks this rank writes are
+        // ones no peer reads: every rank reads inputs only, and an input
+        // that is the output as well (all-to-all in place) is written only
+        // once every reader is done.
+        let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
+        let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
+        let mut held = Vec::new();
+        match coll.kind {
+            CollectiveKind::AllGather | CollectiveKind::Gather
+                if coll.kind == CollectiveKind::AllGather || me == root =>
+            {
+                for r in 0..n {
+                    match r == me {
+                        true => copy(out(r * part, part), inp(0, part)),
+                        false => fetch(r, 0, out(r * part, part))?,
+                    }
+                }
+            }
+            CollectiveKind::AllToAll if std::ptr::eq(input.0, output.0) => {
+                // Peers still read this buffer: hold the blocks until they are done.
+                held = vec![0u8; n * part];
+                for r in (0..n).filter(|&r| r != me) {
+                    fetch(r, me, &mut held[r * part..(r + 1) * part])?;
+                }
+            }
+            CollectiveKind::AllToAll => {
+                for r in 0..n {
+                    match r == me {
+                        true => copy(out(r * part, part), inp(r * part, part)),
+                        false => fetch(r, me, out(r * part, part))?,
+                    }
+                }
+            }
+            CollectiveKind::Broadcast | CollectiveKind::Scatter => {
+                let block = if coll.kind == CollectiveKind::Scatter {
+                    me
+                } else {
+                    0
+                };
+                match me == root {
+                    true => copy(out(0, part), inp(block * part, part)),
+                    false => fetch(root, block, out(0, part))?,
+                }
+            }
+            // Non-roots of a gather only post.
+            _ => {}
+        }
+        round.post_reduced(&[])?;
+        let readers = |r: usize| match coll.kind {
+            CollectiveKind::Broadcast | CollectiveKind::Scatter => me == root,
+            CollectiveKind::Gather => r == root,
+            _ => true,
+        };
+        for r in (0..n).filter(|&r| r != me && readers(r)) {
+            round.read_reduced(r, 0, 0)?;
+        }
+        if !held.is_empty() {
+            for r in (0..n).filter(|&r| r != me) {
+                copy(out(r * part, part), &held[r * part..(r + 1) * part]);
+            }
+        }
+        Ok(())
     }
 
     /// Board-direct's reduction of this rank's share: `out = own ⊕ posted_r[range]`

@@ -26,6 +26,8 @@ struct Slot {
 struct Shared {
     n: usize,
     slot_bytes: usize,
+    /// What [`GroupMemory::direct_min`] answers.
+    direct_min: Option<usize>,
     /// `slots[rank][round % 2]`.
     slots: Vec<[Slot; 2]>,
     /// Rank that aborted, plus one, and whom it blamed.
@@ -49,8 +51,10 @@ pub(super) struct MemGroup {
     left: AtomicBool,
 }
 
-/// Group memory for `n` ranks with `slot_bytes` per slot: one handle per rank.
-pub(super) fn group(n: usize, slot_bytes: usize) -> Vec<MemGroup> {
+/// Group memory for `n` ranks with `slot_bytes` per slot, offering direct
+/// reads of blocks from `direct_min` bytes (ranks share this address
+/// space, so a direct read is a plain copy): one handle per rank.
+pub(super) fn group(n: usize, slot_bytes: usize, direct_min: Option<usize>) -> Vec<MemGroup> {
     let slot = || Slot {
         header: Mutex::new(None),
         payload: UnsafeCell::new(vec![0; slot_bytes]),
@@ -60,6 +64,7 @@ pub(super) fn group(n: usize, slot_bytes: usize) -> Vec<MemGroup> {
     let shared = Arc::new(Shared {
         n,
         slot_bytes,
+        direct_min,
         slots: (0..n).map(|_| [slot(), slot()]).collect(),
         aborted: AtomicUsize::new(0),
         blamed: AtomicUsize::new(0),
@@ -242,6 +247,25 @@ impl GroupMemory for MemGroup {
             slot.reduced.load(Ordering::Acquire) >= round
         })?;
         self.payload(rank, round, offset, len)
+    }
+
+    fn direct_min(&self) -> Option<usize> {
+        self.shared.direct_min
+    }
+
+    fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()> {
+        if self.shared.direct_min.is_none() || rank >= self.shared.n {
+            return Err(Error::Internal(format!(
+                "rank {}: a direct read of rank {rank} this group memory does not offer",
+                self.rank
+            )));
+        }
+        // SAFETY: ranks are threads of this process, and the algorithm
+        // posted `addr` as a buffer of at least this length that stays
+        // unchanged until this rank tells it is done reading.
+        let from = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, into.len()) };
+        into.copy_from_slice(from);
+        Ok(())
     }
 
     fn abort(&self, blame: usize) {

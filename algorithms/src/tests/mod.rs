@@ -119,7 +119,8 @@ impl RankMemory {
 }
 
 /// Runs one collective on every rank, as a schedule over `links` or, for a
-/// group algorithm, on group memory in the heap with ranks as threads;
+/// group algorithm, on group memory in the heap with ranks as threads (once
+/// through posts alone and once with direct reads, which must agree);
 /// returns each rank's output. A run that has not finished within a minute
 /// is a hang, and panics.
 fn run_on(
@@ -145,14 +146,14 @@ fn run_on(
         world_size: n,
         coll,
     };
-    let mut memory: Vec<RankMemory> = (0..n)
-        .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
-        .collect();
+    let what = format!("{kind} {algorithm} n={n} count={count} root={root}");
     let limit = Duration::from_secs(60);
-    let hang = format!("{kind} {algorithm} n={n} count={count} root={root} hangs");
-    let results: Vec<Result<()>> = if algorithm.on_group_memory() {
-        let members = mem_group::group(n, GROUP_SLOT_BYTES);
-        std::thread::scope(|s| {
+    let on_group = |direct_min: Option<usize>| {
+        let mut memory: Vec<RankMemory> = (0..n)
+            .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
+            .collect();
+        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min);
+        let results = std::thread::scope(|s| {
             let running: Vec<_> = members
                 .iter()
                 .zip(memory.iter_mut())
@@ -165,40 +166,49 @@ fn run_on(
                 .into_iter()
                 .map(|t| t.join().unwrap())
                 .collect::<Vec<Result<()>>>()
-        })
-        .into_iter()
-        .map(|r| match r {
-            Err(Error::Timeout { .. }) => panic!("{hang}"),
-            r => r,
-        })
-        .collect()
-    } else {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let all = join_all(memory.iter_mut().enumerate().map(|(rank, mem)| {
-            let links = &links[rank];
-            async move {
-                let io = mem.io();
-                let schedule = algorithm
-                    .schedule(&coll, rank, n, piece, io.layout())
-                    .unwrap();
-                execute(&schedule, io, links, &call(rank), &mut None, None).await
-            }
-        }));
-        rt.block_on(async { tokio::time::timeout(limit, all).await })
-            .unwrap_or_else(|_| panic!("{hang}"))
+        });
+        outputs(&what, results, &memory)
     };
+    if algorithm.on_group_memory() {
+        let posted = on_group(None);
+        let direct = on_group(Some(1));
+        assert!(posted == direct, "{what}: direct reads changed the results");
+        return posted;
+    }
+    let mut memory: Vec<RankMemory> = (0..n)
+        .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
+        .collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let all = join_all(memory.iter_mut().enumerate().map(|(rank, mem)| {
+        let links = &links[rank];
+        async move {
+            let io = mem.io();
+            let schedule = algorithm
+                .schedule(&coll, rank, n, piece, io.layout())
+                .unwrap();
+            execute(&schedule, io, links, &call(rank), &mut None, None).await
+        }
+    }));
+    let results = rt
+        .block_on(async { tokio::time::timeout(limit, all).await })
+        .unwrap_or_else(|_| panic!("{what} hangs"));
+    outputs(&what, results, &memory)
+}
+
+/// Each rank's output, once every rank succeeded (else a panic naming the
+/// run and the rank; a timeout is a hang).
+fn outputs(what: &str, results: Vec<Result<()>>, memory: &[RankMemory]) -> Vec<Vec<u8>> {
     results
         .into_iter()
-        .zip(&memory)
+        .zip(memory)
         .enumerate()
-        .map(|(r, (x, mem))| {
-            x.unwrap_or_else(|e| {
-                panic!("{kind} {algorithm} n={n} count={count} root={root} rank {r}: {e}")
-            });
-            mem.output()
+        .map(|(r, (x, mem))| match x {
+            Ok(()) => mem.output(),
+            Err(Error::Timeout { .. }) => panic!("{what} hangs"),
+            Err(e) => panic!("{what} rank {r}: {e}"),
         })
         .collect()
 }

@@ -11,7 +11,7 @@ use crate::{group, Algorithm, IoBuffers};
 /// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
 /// as threads; returns each rank's result.
 fn on_group<T: Send>(n: usize, each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync) -> Vec<T> {
-    let members = mem_group::group(n, GROUP_SLOT_BYTES);
+    let members = mem_group::group(n, GROUP_SLOT_BYTES, None);
     std::thread::scope(|s| {
         let each = &each;
         let running: Vec<_> = members

@@ -497,6 +497,89 @@ fn main() {
             {
                 ck.vec("large allgather", &all, |i| i as f32, len * n);
             }
+            // Blocks of 256 KiB: over a shared-memory board every rank reads
+            // them straight out of the others' buffers (where the kernel
+            // allows cross-memory attach).
+            let block = 64usize << 10;
+            let blocks: Vec<f32> = (0..block * n).map(|i| (r * block * n + i) as f32).collect();
+            let from = |src: usize, b: usize, i: usize| (src * block * n + b * block + i) as f32;
+            let mut got = vec![0.0f32; block * n];
+            if ck
+                .ok(
+                    "all-to-all of 256 KiB blocks",
+                    comm.alltoall_into(&blocks, &mut got),
+                )
+                .is_some()
+            {
+                ck.vec(
+                    "all-to-all of 256 KiB blocks",
+                    &got,
+                    |i| from(i / block, r, i % block),
+                    block * n,
+                );
+            }
+            let mut got = blocks.clone();
+            if ck
+                .ok(
+                    "all-to-all in place of 256 KiB blocks",
+                    comm.alltoall(&mut got),
+                )
+                .is_some()
+            {
+                ck.vec(
+                    "all-to-all in place of 256 KiB blocks",
+                    &got,
+                    |i| from(i / block, r, i % block),
+                    block * n,
+                );
+            }
+            let mut got = vec![0.0f32; block * n];
+            if ck
+                .ok(
+                    "allgather of 256 KiB blocks",
+                    comm.allgather_into(&blocks[..block], &mut got),
+                )
+                .is_some()
+            {
+                ck.vec(
+                    "allgather of 256 KiB blocks",
+                    &got,
+                    |i| from(i / block, 0, i % block),
+                    block * n,
+                );
+            }
+            let root = n - 1;
+            let mut got = vec![0.0f32; if r == root { block * n } else { 0 }];
+            if ck
+                .ok(
+                    "gather of 256 KiB blocks",
+                    comm.gather_into(&blocks[..block], &mut got, root),
+                )
+                .is_some()
+            {
+                let want = if r == root { block * n } else { 0 };
+                ck.vec(
+                    "gather of 256 KiB blocks",
+                    &got,
+                    |i| from(i / block, 0, i % block),
+                    want,
+                );
+            }
+            let mut got = vec![0.0f32; block];
+            if ck
+                .ok(
+                    "scatter of 256 KiB blocks",
+                    comm.scatter_into(&blocks, &mut got, root),
+                )
+                .is_some()
+            {
+                ck.vec(
+                    "scatter of 256 KiB blocks",
+                    &got,
+                    |i| from(root, r, i),
+                    block,
+                );
+            }
         }
         "send-then-exit" => {
             // Rank 0 sends and exits at once, without dropping its
