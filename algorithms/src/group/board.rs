@@ -331,75 +331,69 @@ impl BoardCall<'_> {
         mine[..8].copy_from_slice(&(input.0 as u64).to_le_bytes());
         mine[8..].copy_from_slice(&(input.1 as u64).to_le_bytes());
         round.post(&mine)?;
-        // Every rank's header is checked before a byte moves: a rank that
-        // made another call is a mismatch.
-        let mut sources = Vec::with_capacity(n);
-        for r in 0..n {
-            let posted = round.read(r, mine.len())?;
-            let word =
-                |at: usize| u64::from_le_bytes(posted[at..at + 8].try_into().expect("8 bytes"));
-            sources.push((word(0), word(8)));
-        }
-        // Block `b` of rank `r`'s input, into `to`.
-        let fetch = |r: usize, b: usize, to: &mut [u8]| -> Result<()> {
-            let (addr, len) = sources[r];
-            let at = (b * part) as u64;
-            if at + to.len() as u64 > len {
-                return Err(Error::Protocol {
-                    rank: me,
-                    peer: r,
-                    call: String::new(),
-                    msg: format!("its input has {len} bytes, without block {b} of {part} bytes"),
-                });
-            }
-            mem.read_direct(r, addr + at, to)
-        };
+        let in_place = std::ptr::eq(input.0, output.0);
         // SAFETY (for both): as in `chunks`. Blocks this rank writes are
         // ones no peer reads: every rank reads inputs only, and an input
         // that is the output as well (all-to-all in place) is written only
         // once every reader is done.
         let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
         let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
-        let mut held = Vec::new();
-        match coll.kind {
-            CollectiveKind::AllGather | CollectiveKind::Gather
-                if coll.kind == CollectiveKind::AllGather || me == root =>
-            {
-                for r in 0..n {
-                    match r == me {
-                        true => copy(out(r * part, part), inp(0, part)),
-                        false => fetch(r, 0, out(r * part, part))?,
-                    }
-                }
+        // This rank's own block first, while the others post: (where it
+        // goes in the output, where it lies in the input).
+        let own = match coll.kind {
+            CollectiveKind::AllGather => Some((me * part, 0)),
+            CollectiveKind::Gather if me == root => Some((me * part, 0)),
+            CollectiveKind::AllToAll if !in_place => Some((me * part, me * part)),
+            CollectiveKind::Broadcast if me == root => Some((0, 0)),
+            CollectiveKind::Scatter if me == root => Some((0, me * part)),
+            _ => None,
+        };
+        if let Some((to, from)) = own {
+            copy(out(to, part), inp(from, part));
+        }
+        // What this rank reads of rank r: (block of r's input, where it goes
+        // in the output).
+        let wanted = |r: usize| match coll.kind {
+            CollectiveKind::AllGather => Some((0, r * part)),
+            CollectiveKind::Gather if me == root => Some((0, r * part)),
+            CollectiveKind::AllToAll => Some((me, r * part)),
+            CollectiveKind::Broadcast if r == root => Some((0, 0)),
+            CollectiveKind::Scatter if r == root => Some((me, 0)),
+            _ => None,
+        };
+        // Peers still read an all-to-all's buffer in place: its blocks wait
+        // here until they are done.
+        let mut held = match coll.kind {
+            CollectiveKind::AllToAll if in_place => vec![0u8; n * part],
+            _ => Vec::new(),
+        };
+        // Peers in turn from the next rank on, so that they do not all read
+        // the same rank at once. Each rank's header is checked (a rank that
+        // made another call is a mismatch) before its address is used.
+        for r in (1..n).map(|k| (me + k) % n) {
+            let posted = round.read(r, mine.len())?;
+            let Some((block, at)) = wanted(r) else {
+                continue;
+            };
+            let word =
+                |at: usize| u64::from_le_bytes(posted[at..at + 8].try_into().expect("8 bytes"));
+            let (addr, len) = (word(0), word(8));
+            let from = (block * part) as u64;
+            if from + part as u64 > len {
+                return Err(Error::Protocol {
+                    rank: me,
+                    peer: r,
+                    call: String::new(),
+                    msg: format!(
+                        "its input has {len} bytes, without block {block} of {part} bytes"
+                    ),
+                });
             }
-            CollectiveKind::AllToAll if std::ptr::eq(input.0, output.0) => {
-                // Peers still read this buffer: hold the blocks until they are done.
-                held = vec![0u8; n * part];
-                for r in (0..n).filter(|&r| r != me) {
-                    fetch(r, me, &mut held[r * part..(r + 1) * part])?;
-                }
-            }
-            CollectiveKind::AllToAll => {
-                for r in 0..n {
-                    match r == me {
-                        true => copy(out(r * part, part), inp(r * part, part)),
-                        false => fetch(r, me, out(r * part, part))?,
-                    }
-                }
-            }
-            CollectiveKind::Broadcast | CollectiveKind::Scatter => {
-                let block = if coll.kind == CollectiveKind::Scatter {
-                    me
-                } else {
-                    0
-                };
-                match me == root {
-                    true => copy(out(0, part), inp(block * part, part)),
-                    false => fetch(root, block, out(0, part))?,
-                }
-            }
-            // Non-roots of a gather only post.
-            _ => {}
+            let to = match held.is_empty() {
+                true => out(at, part),
+                false => &mut held[at..at + part],
+            };
+            mem.read_direct(r, addr + from, to)?;
         }
         round.post_reduced(&[])?;
         let readers = |r: usize| match coll.kind {
