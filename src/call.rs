@@ -21,6 +21,71 @@ use crate::{
 /// What a job calls once it no longer touches its memory.
 pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
+/// The "kernels" of GPU memory that a link moves as it is (GPUDirect RDMA):
+/// a transfer's buffers carry their kind to the link, and nothing here may
+/// touch their bytes, so every operation is refused.
+struct MovedByLinks(MemoryKind);
+
+impl MovedByLinks {
+    /// The one value for `kind`, made at its first use (one per GPU).
+    fn of(kind: MemoryKind) -> &'static dyn Kernels {
+        static MADE: std::sync::Mutex<Vec<&'static MovedByLinks>> =
+            std::sync::Mutex::new(Vec::new());
+        let mut made = MADE.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(k) = made.iter().find(|k| k.0 == kind) {
+            return *k;
+        }
+        let k: &'static MovedByLinks = Box::leak(Box::new(MovedByLinks(kind)));
+        made.push(k);
+        k
+    }
+
+    fn refuse(&self, what: &str) -> Error {
+        Error::Internal(format!(
+            "{what} on {}, which only a link moves here (GPUDirect RDMA)",
+            self.0
+        ))
+    }
+}
+
+impl Kernels for MovedByLinks {
+    fn kind(&self) -> MemoryKind {
+        self.0
+    }
+
+    fn reduce(
+        &self,
+        _: ReduceOp,
+        _: DataType,
+        _: BufMut<'_>,
+        _: Option<BufRef<'_>>,
+        _: BufRef<'_>,
+    ) -> Result<()> {
+        Err(self.refuse("a reduction"))
+    }
+
+    fn prescale(&self, _: ReduceOp, _: DataType, _: BufMut<'_>) -> Result<()> {
+        Err(self.refuse("a scaling"))
+    }
+
+    fn finalize(&self, _: ReduceOp, _: DataType, _: BufMut<'_>, _: usize) -> Result<()> {
+        Err(self.refuse("a division"))
+    }
+
+    fn copy(&self, _: BufMut<'_>, _: BufRef<'_>) -> Result<()> {
+        Err(self.refuse("a copy"))
+    }
+
+    /// Empty scratch only: a transfer's schedule asks for none.
+    fn alloc(&self, len: usize) -> Result<Scratch> {
+        if len > 0 {
+            return Err(self.refuse("scratch"));
+        }
+        // SAFETY: no bytes to access.
+        Ok(unsafe { Scratch::from_raw(self.0, NonNull::dangling().as_ptr(), 0, Box::new(())) })
+    }
+}
+
 /// The kernels for memory of `kind`.
 fn kernels_for(kind: MemoryKind) -> Result<&'static dyn Kernels> {
     match kind {
@@ -382,7 +447,12 @@ impl Communicator {
                     mem.len()
                 )));
             }
-            kernels_for(mem.kind())
+            match mem.kind() {
+                kind @ MemoryKind::Device { .. } if inner.device_links.get(peer) == Some(&true) => {
+                    Ok(MovedByLinks::of(kind))
+                }
+                kind => kernels_for(kind),
+            }
         });
         let kernels = match checked {
             Ok(k) => k,

@@ -68,6 +68,9 @@ pub(crate) struct Inner {
     /// then whether it is used.
     #[cfg(feature = "cuda")]
     pub(crate) ipc: Mutex<Option<Option<Arc<ccl_transport_cuda_ipc::ipc::IpcGroup>>>>,
+    /// Per rank: whether the link to it takes GPU memory as it is
+    /// (GPUDirect RDMA), so that device transfers skip staging.
+    pub(crate) device_links: Vec<bool>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -210,6 +213,11 @@ impl Communicator {
             connected.group.is_some(),
         );
         let selection = Selection::new(rank, world_size, tuner, connected.class);
+        let device_links = connected
+            .links
+            .iter()
+            .map(|l| l.as_ref().is_some_and(|l| l.takes_device_memory()))
+            .collect();
         let engine = Engine::start(
             rank,
             runtime,
@@ -243,6 +251,7 @@ impl Communicator {
                 transfer_staging: Mutex::new(HashMap::new()),
                 #[cfg(feature = "cuda")]
                 ipc: Mutex::new(None),
+                device_links,
             }),
         })
     }

@@ -301,6 +301,21 @@ impl Communicator {
             },
         };
         let mut launch = staging.launch_after(start)?;
+        let call = format!("{coll} with rank {peer} on rank {rank}");
+        if self.inner.device_links.get(peer) == Some(&true) {
+            // The link takes the GPU memory as it is (GPUDirect RDMA): one
+            // chunk, no copies, ordered on the stream like staged ones.
+            let (work, outcome) = Outcome::new(1);
+            let chunk = launch.direct();
+            let before = Before {
+                gate: chunk.gate.clone(),
+                what: "the caller's stream to reach the transfer",
+                then: None,
+            };
+            let done = moved_directly(&staging, layout, chunk, !send, &outcome);
+            self.submit_transfer(dtype, peer, send, mem, Some(before), done);
+            return Ok(self.finish(launch, stream, &outcome, work, call));
+        }
         let chunks = layout.chunks();
         let (work, outcome) = Outcome::new(chunks);
         for k in 0..chunks {
@@ -316,7 +331,6 @@ impl Communicator {
             let done = staged_out(&staging, layout, chunk, ptr as usize, &outcome, true);
             self.submit_transfer(dtype, peer, send, host, Some(before), done);
         }
-        let call = format!("{coll} with rank {peer} on rank {rank}");
         Ok(self.finish(launch, stream, &outcome, work, call))
     }
 
@@ -990,6 +1004,28 @@ fn staged_out(
         // which waits for this copy.
         let out = unsafe { staging.stage_out(&layout, &chunk, output as *mut u8, ok) };
         Outcome::report(&outcome, result.and(out));
+    })
+}
+
+/// What a transfer that moved device memory straight through its link
+/// calls when done: after a receive, the NIC's writes are made visible to
+/// the GPU (`received`); then the chunk counts as done on the stream.
+fn moved_directly(
+    staging: &Arc<Staging>,
+    layout: Layout,
+    chunk: Chunk,
+    received: bool,
+    outcome: &Arc<Mutex<Outcome>>,
+) -> Box<dyn FnOnce(Result<()>) + Send> {
+    let (staging, outcome) = (staging.clone(), outcome.clone());
+    Box::new(move |result: Result<()>| {
+        let flushed = match received && result.is_ok() {
+            true => staging.gpu().flush_remote_writes(),
+            false => Ok(()),
+        };
+        // SAFETY: nothing is copied (`ok` false); the chunk is only counted.
+        let counted = unsafe { staging.stage_out(&layout, &chunk, std::ptr::null_mut(), false) };
+        Outcome::report(&outcome, result.and(flushed).and(counted));
     })
 }
 

@@ -112,6 +112,14 @@ pub trait Link: Send + Sync {
         })
     }
 
+    /// Whether [`Link::send`] and [`Link::recv`] take GPU memory as it is
+    /// (GPUDirect RDMA, agreed by both ends at set-up): then a device
+    /// transfer goes straight through the link instead of through pinned
+    /// host memory. Both ends of a link answer alike.
+    fn takes_device_memory(&self) -> bool {
+        false
+    }
+
     /// Best effort, bounded in time: tells the peer that this rank gives up and
     /// why, then closes the link so that nothing waits on it any more.
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()>;

@@ -474,6 +474,20 @@ impl Gpu for CudaGpu {
         Ok(value)
     }
 
+    fn flush_remote_writes(&self) -> Result<()> {
+        let _bound = self.bind()?;
+        // SAFETY: no pointers; the context is current (bound above).
+        check(
+            unsafe {
+                cu::cuFlushGPUDirectRDMAWrites(
+                    cu::CUflushGPUDirectRDMAWritesTarget_enum::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                    cu::CUflushGPUDirectRDMAWritesScope_enum::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+                )
+            },
+            || "CUDA cuFlushGPUDirectRDMAWrites".into(),
+        )
+    }
+
     fn set_word(&self, word: u64, value: u32) -> Result<()> {
         let side = self.side_stream()?;
         // SAFETY: a word of device memory.

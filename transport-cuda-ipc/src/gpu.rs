@@ -109,6 +109,10 @@ pub trait Gpu: Send + Sync + 'static {
     /// streams (to tell, after a timeout, which peer is behind).
     fn read_word(&self, word: u64) -> Result<u32>;
 
+    /// Makes the writes a NIC made into this GPU's memory (GPUDirect RDMA)
+    /// visible to the work queued on it from now on; blocks until they are.
+    fn flush_remote_writes(&self) -> Result<()>;
+
     /// Writes the word at device address `word` now, off the caller's
     /// streams (to release streams that wait for a peer that failed).
     fn set_word(&self, word: u64, value: u32) -> Result<()>;

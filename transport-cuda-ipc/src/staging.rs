@@ -509,6 +509,16 @@ impl Staging {
     }
 }
 
+/// A chunk's gate from the event after its copies (kept in `copied` for
+/// [`Staging::stage_out`]), or from why they could not be queued.
+fn copied_at(copied: &OnceLock<Arc<GpuEvent>>, event: Result<GpuEvent>) -> Result<Arc<dyn Event>> {
+    event.map(|event| {
+        let event = Arc::new(event);
+        let _ = copied.set(event.clone());
+        event as Arc<dyn Event>
+    })
+}
+
 /// The copies of one side of a chunk: (offset in the device buffer, offset
 /// in the slot, bytes) of each of `blocks` blocks, none when it is empty.
 pub(crate) fn pieces(
@@ -531,18 +541,8 @@ impl Launch<'_> {
     /// `input` must be the call's device input, valid and unwritten until
     /// the chunk's gate has happened.
     pub unsafe fn stage_in(&mut self, layout: &Layout, input: *const u8, k: usize) -> Chunk {
-        let total = *self.next;
-        *self.next += 1;
-        let id = total as u32;
-        let slot = (total % DEPTH as u64) as usize;
-        let later = Arc::new(Later::default());
-        let chunk = Chunk {
-            id,
-            span: layout.chunk(k),
-            slot,
-            gate: later.clone(),
-            copied: Arc::default(),
-        };
+        let (total, chunk, later) = self.next_chunk(layout.chunk(k));
+        let (id, slot) = (chunk.id, chunk.slot);
         let (layout, span, copied) = (*layout, chunk.span, chunk.copied.clone());
         let input = input as usize;
         let copy_in = move |staging: &Staging| {
@@ -562,15 +562,42 @@ impl Launch<'_> {
                 }
                 staging.copy_in.record()
             })();
-            later.set(staged.map(|event| {
-                let event = Arc::new(event);
-                let _ = copied.set(event.clone());
-                event as Arc<dyn Event>
-            }));
+            later.set(copied_at(&copied, staged));
         };
         let need = (total + 1).saturating_sub(AHEAD);
         self.staging.in_turn(need, Box::new(copy_in));
         chunk
+    }
+
+    /// A chunk that moves the call's device memory as it is, through a link
+    /// that takes it (GPUDirect RDMA): nothing is copied, and its gate is
+    /// the copy-in stream reaching it, after the caller's earlier work.
+    /// [`Staging::stage_out`] (`ok` false: nothing to copy back) counts it
+    /// as done, in turn with staged chunks.
+    pub fn direct(&mut self) -> Chunk {
+        let (total, chunk, later) = self.next_chunk(Span { from: 0, len: 0 });
+        let copied = chunk.copied.clone();
+        let reached =
+            move |staging: &Staging| later.set(copied_at(&copied, staging.copy_in.record()));
+        let need = (total + 1).saturating_sub(AHEAD);
+        self.staging.in_turn(need, Box::new(reached));
+        chunk
+    }
+
+    /// The call's next chunk (its number among all), covering `span`, and
+    /// its gate to set.
+    fn next_chunk(&mut self, span: Span) -> (u64, Chunk, Arc<Later>) {
+        let total = *self.next;
+        *self.next += 1;
+        let later = Arc::new(Later::default());
+        let chunk = Chunk {
+            id: total as u32,
+            span,
+            slot: (total % DEPTH as u64) as usize,
+            gate: later.clone(),
+            copied: Arc::default(),
+        };
+        (total, chunk, later)
     }
 
     /// The slot of chunk `chunk`: its input and output host memory, and

@@ -322,6 +322,11 @@ impl Gpu for StandInGpu {
         Ok(unsafe { &*(word as *const AtomicU32) }.load(Ordering::Acquire))
     }
 
+    /// Host memory: what another process wrote is visible already.
+    fn flush_remote_writes(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn set_word(&self, word: u64, value: u32) -> Result<()> {
         // SAFETY: as in `read_word`.
         unsafe { &*(word as *const AtomicU32) }.store(value, Ordering::Release);

@@ -9,6 +9,7 @@ pub struct Counters {
     eager: AtomicU64,
     zero_copy_sent: AtomicU64,
     zero_copy_received: AtomicU64,
+    device: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -20,6 +21,9 @@ pub struct CounterValues {
     pub zero_copy_sent: u64,
     /// Payload bytes the peer's NIC wrote straight into the caller's memory.
     pub zero_copy_received: u64,
+    /// Of the zero-copy bytes sent and received, those in GPU memory
+    /// (GPUDirect RDMA).
+    pub device_bytes: u64,
 }
 
 /// This process's counters.
@@ -27,6 +31,7 @@ pub static COUNTERS: Counters = Counters {
     eager: AtomicU64::new(0),
     zero_copy_sent: AtomicU64::new(0),
     zero_copy_received: AtomicU64::new(0),
+    device: AtomicU64::new(0),
 };
 
 impl Counters {
@@ -42,12 +47,17 @@ impl Counters {
         self.zero_copy_received.fetch_add(n as u64, Relaxed);
     }
 
+    pub(crate) fn add_device(&self, n: usize) {
+        self.device.fetch_add(n as u64, Relaxed);
+    }
+
     /// The values now.
     pub fn get(&self) -> CounterValues {
         CounterValues {
             eager_bytes: self.eager.load(Relaxed),
             zero_copy_sent: self.zero_copy_sent.load(Relaxed),
             zero_copy_received: self.zero_copy_received.load(Relaxed),
+            device_bytes: self.device.load(Relaxed),
         }
     }
 }

@@ -29,6 +29,13 @@ use ibverbs_sys as ffi;
 use crate::verbs::{Completion, Endpoint, QueuePair, Region, Status, Verbs, Write};
 
 /// Work requests a send queue holds (fewer if the device allows fewer).
+/// Where a loaded GPU peer-memory client shows: `nvidia-peermem` (driver
+/// 470 on), or Mellanox's older `nv_peer_mem`.
+const PEER_MEMORY_MODULES: [&str; 2] = [
+    "/sys/module/nvidia_peermem",
+    "/sys/kernel/mm/memory_peers/nv_mem/version",
+];
+
 const SEND_DEPTH: u32 = 1024;
 /// Receives a queue pair holds (the protocol posts `2 × slots + 2`; the
 /// largest ring the knobs allow is 4 095 slots).
@@ -291,14 +298,9 @@ fn mtu_enum(bytes: u32) -> ffi::ibv_mtu {
     (1..=5).rev().find(|&m| mtu_bytes(m) <= bytes).unwrap_or(1)
 }
 
-impl Verbs for IbvNic {
-    type Qp = IbvQp;
-
-    fn name(&self) -> String {
-        self.name.clone()
-    }
-
-    fn register(&self, addr: u64, len: usize) -> Result<Region, String> {
+impl IbvNic {
+    /// `ibv_reg_mr` of `[addr, addr + len)` for local writes and remote writes.
+    fn reg_mr(&self, addr: u64, len: usize) -> Result<Region, String> {
         let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
             | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
         // SAFETY: the caller keeps `[addr, addr + len)` mapped while registered
@@ -324,6 +326,40 @@ impl Verbs for IbvNic {
             lkey,
             rkey,
         })
+    }
+}
+
+impl Verbs for IbvNic {
+    type Qp = IbvQp;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn register(&self, addr: u64, len: usize) -> Result<Region, String> {
+        self.reg_mr(addr, len)
+    }
+
+    /// GPU memory through the peer-memory client that NVIDIA's driver
+    /// installs (`nvidia-peermem`): `ibv_reg_mr` then takes a device
+    /// address as it takes a host one.
+    fn device_memory(&self) -> Result<(), String> {
+        match PEER_MEMORY_MODULES
+            .iter()
+            .find(|m| std::path::Path::new(m).exists())
+        {
+            Some(_) => Ok(()),
+            None => Err(format!(
+                "{}: no GPU peer-memory client loaded (checked {}; `modprobe nvidia-peermem`)",
+                self.name,
+                PEER_MEMORY_MODULES.join(", ")
+            )),
+        }
+    }
+
+    fn register_device(&self, addr: u64, len: usize) -> Result<Region, String> {
+        self.device_memory()?;
+        self.reg_mr(addr, len)
     }
 
     fn deregister(&self, region: &Region) {

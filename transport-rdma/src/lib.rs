@@ -22,11 +22,13 @@
 //! `CCL_RDMA_GID_INDEX` the GID of a RoCE port. A build without the
 //! `ibverbs` feature finds devices but reports them unusable, saying why.
 //!
-//! GPU memory (GPUDirect RDMA) plugs in at [`Verbs::register`]: a device
-//! buffer registered through `nvidia-peermem` (or a dma-buf) gives a key
-//! like host memory does, and the protocol core never touches payload bytes
-//! above the eager limit; eager copies and receive-and-reduce take host
-//! memory only (the link refuses other memory with `Unsupported`).
+//! GPU memory (GPUDirect RDMA) is registered with
+//! [`Verbs::register_device`] (on a real NIC through `nvidia-peermem`) and
+//! always goes by rendezvous, so that the CPU never touches it; a pair uses
+//! it only where both sides can (`CCL_RDMA_GPUDIRECT`, default on), and
+//! its links then take device buffers as they are. Otherwise the link
+//! refuses GPU memory with `Unsupported` and device calls stage through
+//! host memory above it.
 
 mod counters;
 #[cfg(feature = "ibverbs")]
@@ -93,6 +95,9 @@ pub struct RdmaOptions {
     /// `CCL_TRANSPORT=rdma`: a rank without a device fails at once, in its
     /// own set-up, instead of after the others have published theirs.
     pub forced: bool,
+    /// Device transfers move GPU memory straight through the NIC where
+    /// both sides can register it (`CCL_RDMA_GPUDIRECT`, default on).
+    pub gpudirect: bool,
 }
 
 impl RdmaOptions {
@@ -120,6 +125,7 @@ impl RdmaOptions {
                 .knob("CCL_RDMA_SIM")
                 .map(|dir| (PathBuf::from(dir), faults)),
             forced: config.knob("CCL_TRANSPORT") == Some("rdma"),
+            gpudirect: config.knob_flag("CCL_RDMA_GPUDIRECT", true)?,
         })
     }
 }
@@ -355,6 +361,11 @@ fn connect<V: Verbs>(
         0
     };
     let cache = Arc::new(Mutex::new(RegCache::new(keep)));
+    let gpudirect = options.gpudirect
+        && verbs
+            .device_memory()
+            .inspect_err(|why| tracing::debug!(rank, "rdma: no GPUDirect RDMA: {why}"))
+            .is_ok();
     // Publish this side of every pair whose peer can use RDMA.
     let mut halves: Vec<std::result::Result<Half<V>, String>> = Vec::new();
     for &p in peers {
@@ -382,6 +393,7 @@ fn connect<V: Verbs>(
                 },
                 slots: cfg.slots,
                 slot_bytes: cfg.slot_bytes,
+                gpudirect,
             }
             .encode(secret),
             Err(why) => format!("none {why}"),
@@ -397,7 +409,7 @@ fn connect<V: Verbs>(
             let offer = Offer::accept(&line, secret, (setup.comm, p, rank), &cfg)?;
             verbs::QueuePair::connect(&mut h.qp, &offer.endpoint)?;
             let ring = PeerRing { remote: offer.ring };
-            Peer::new(
+            let peer = Peer::new(
                 (rank, p),
                 cfg,
                 verbs.clone(),
@@ -405,7 +417,8 @@ fn connect<V: Verbs>(
                 h.qp,
                 h.ring,
                 ring,
-            )
+            )?;
+            Ok((peer, gpudirect && offer.gpudirect))
         });
         let verdict = match &pair {
             Ok(_) => "ok".to_string(),
@@ -418,7 +431,7 @@ fn connect<V: Verbs>(
     for (&p, pair) in peers.iter().zip(verdicts) {
         let theirs = store.get(&format!("rdma/{p}-{rank}/ready"), setup.timeout)?;
         let state = match (pair, theirs.strip_prefix(b"refused ")) {
-            (Ok(peer), None) => Ok(Arc::new(Mutex::new(peer))),
+            (Ok((peer, gdr)), None) => Ok((Arc::new(Mutex::new(peer)), gdr)),
             (Err(why), _) => Err(why),
             (Ok(_), Some(why)) => Err(format!(
                 "rank {p} refused this rank's RDMA set-up: {}",
@@ -429,19 +442,28 @@ fn connect<V: Verbs>(
     }
     let pairs: Arc<[_]> = states
         .iter()
-        .filter_map(|s| s.as_ref().ok().map(Arc::downgrade))
+        .filter_map(|s| s.as_ref().ok().map(|(state, _)| Arc::downgrade(state)))
         .collect();
     let results: Vec<PairResult> = peers
         .iter()
         .zip(states)
         .map(|(&p, state)| {
-            state.map(|state| {
-                Arc::new(RdmaLink::new((rank, p), state, pairs.clone(), spin))
-                    as Arc<dyn ccl_core::Link>
+            state.map(|(state, gpudirect)| {
+                let link = RdmaLink::new((rank, p), state, pairs.clone(), spin, gpudirect);
+                Arc::new(link) as Arc<dyn ccl_core::Link>
             })
         })
         .collect();
     let linked = results.iter().filter(|r| r.is_ok()).count();
-    tracing::debug!(rank, device = %verbs.name(), "rdma: {linked} of {} peers linked", peers.len());
+    let direct = results
+        .iter()
+        .filter(|r| r.as_ref().is_ok_and(|l| l.takes_device_memory()))
+        .count();
+    tracing::debug!(
+        rank,
+        device = %verbs.name(),
+        "rdma: {linked} of {} peers linked, {direct} of them with GPUDirect RDMA",
+        peers.len()
+    );
     Ok(results)
 }

@@ -16,7 +16,8 @@ use std::{
 };
 
 use ccl_core::{
-    AbortNotice, BufMut, BufRef, FrameHeader, Link, LinkFuture, Reduction, Result, Spin,
+    AbortNotice, BufMut, BufRef, Error, FrameHeader, Link, LinkFuture, MemoryKind, Reduction,
+    Result, Spin,
 };
 
 use crate::{
@@ -38,6 +39,8 @@ pub(crate) struct RdmaLink<V: Verbs> {
     /// Every pair this rank connected in the same set-up, this one included.
     pairs: Arc<[Weak<Mutex<Peer<V>>>]>,
     spin: Spin,
+    /// Both sides register GPU memory: device buffers go through as they are.
+    gpudirect: bool,
 }
 
 impl<V: Verbs> RdmaLink<V> {
@@ -46,6 +49,7 @@ impl<V: Verbs> RdmaLink<V> {
         state: PeerState<V>,
         pairs: Arc<[Weak<Mutex<Peer<V>>>]>,
         spin: Spin,
+        gpudirect: bool,
     ) -> RdmaLink<V> {
         RdmaLink {
             rank,
@@ -53,6 +57,22 @@ impl<V: Verbs> RdmaLink<V> {
             state,
             pairs,
             spin,
+            gpudirect,
+        }
+    }
+
+    /// Whether `kind` is GPU memory this link moves as it is; host memory
+    /// is `Ok(false)`, other memory an error saying why not.
+    fn device(&self, kind: MemoryKind) -> Result<bool> {
+        match kind {
+            MemoryKind::Host => Ok(false),
+            MemoryKind::Device { .. } if self.gpudirect => Ok(true),
+            kind => Err(Error::Unsupported(format!(
+                "the RDMA link from rank {} to rank {} moves {kind} only through GPUDirect \
+                 RDMA, which this pair does not use (a side without nvidia-peermem, or \
+                 CCL_RDMA_GPUDIRECT=0)",
+                self.rank, self.peer
+            ))),
         }
     }
 
@@ -168,10 +188,13 @@ impl<V: Verbs> Link for RdmaLink<V> {
 
     fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let data = data.host()?;
+            let op = match self.device(data.kind())? {
+                true => SendOp::device(header, data.as_ptr() as u64, data.len()),
+                false => SendOp::new(header, data.host()?),
+            };
             let mut s = Sending {
                 link: self,
-                op: SendOp::new(header, data),
+                op,
                 done: false,
             };
             let op = &mut s.op;
@@ -181,12 +204,15 @@ impl<V: Verbs> Link for RdmaLink<V> {
         })
     }
 
-    fn recv<'a>(&'a self, expect: FrameHeader, into: BufMut<'a>) -> LinkFuture<'a, ()> {
+    fn recv<'a>(&'a self, expect: FrameHeader, mut into: BufMut<'a>) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let into = into.host()?;
+            let op = match self.device(into.kind())? {
+                true => RecvOp::device(expect, into.as_mut_ptr() as u64, into.len()),
+                false => RecvOp::new(expect, into.host()?),
+            };
             let mut r = Receiving {
                 link: self,
-                op: RecvOp::new(expect, into),
+                op,
                 done: false,
             };
             let op = &mut r.op;
@@ -203,6 +229,12 @@ impl<V: Verbs> Link for RdmaLink<V> {
         reduction: Reduction<'a>,
     ) -> LinkFuture<'a, ()> {
         Box::pin(async move {
+            if self.device(into.kind())? {
+                // Into device scratch through the NIC, then the GPU's kernels.
+                let mut scratch = reduction.kernels.alloc(into.len())?;
+                self.recv(expect, scratch.buf_mut()).await?;
+                return reduction.apply(into.reborrow(), 0, scratch.buf());
+            }
             into.reborrow().host()?;
             let mut r = Receiving {
                 link: self,
@@ -216,6 +248,10 @@ impl<V: Verbs> Link for RdmaLink<V> {
             r.done = true;
             Ok(())
         })
+    }
+
+    fn takes_device_memory(&self) -> bool {
+        self.gpudirect
     }
 
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {

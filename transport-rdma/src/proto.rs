@@ -201,6 +201,9 @@ pub struct SendOp {
     header: FrameHeader,
     addr: u64,
     len: usize,
+    /// The data is GPU memory: the NIC reads it (GPUDirect RDMA), never
+    /// the CPU, so it always goes by rendezvous.
+    device: bool,
     state: SendState,
 }
 
@@ -219,6 +222,20 @@ impl SendOp {
             header,
             addr: data.as_ptr() as u64,
             len: data.len(),
+            device: false,
+            state: SendState::Start,
+        }
+    }
+
+    /// A send of `header` and `len` bytes of GPU memory at `addr`, which
+    /// must stay valid until it is done or the peer has failed; the
+    /// receiver must receive into GPU memory too.
+    pub fn device(header: FrameHeader, addr: u64, len: usize) -> SendOp {
+        SendOp {
+            header,
+            addr,
+            len,
+            device: true,
             state: SendState::Start,
         }
     }
@@ -245,6 +262,8 @@ pub struct RecvOp {
     addr: u64,
     len: usize,
     target: Target,
+    /// The destination is GPU memory (see [`SendOp::device`]).
+    device: bool,
     state: RecvState,
 }
 
@@ -263,6 +282,22 @@ impl RecvOp {
             addr: into.as_mut_ptr() as u64,
             len: into.len(),
             target: Target::Direct,
+            device: false,
+            state: RecvState::Start,
+        }
+    }
+
+    /// A receive of a frame that must match `expect` into `len` bytes of
+    /// GPU memory at `addr` (valid until it is done or the peer has
+    /// failed), written there by the sender's NIC; the sender must send
+    /// from GPU memory too.
+    pub fn device(expect: FrameHeader, addr: u64, len: usize) -> RecvOp {
+        RecvOp {
+            expect,
+            addr,
+            len,
+            target: Target::Direct,
+            device: true,
             state: RecvState::Start,
         }
     }
@@ -275,6 +310,7 @@ impl RecvOp {
             addr: 0,
             len,
             target: Target::Sink,
+            device: false,
             state: RecvState::Start,
         }
     }
@@ -606,7 +642,7 @@ impl<V: Verbs> Peer<V> {
                         return Ok(false);
                     }
                     let head = op.header.encode();
-                    if op.len <= self.cfg.eager_limit() {
+                    if !self.by_rendezvous(op.len, op.device) {
                         // SAFETY: the op's data is valid while the op is (see `SendOp::new`).
                         let data =
                             unsafe { std::slice::from_raw_parts(op.addr as *const u8, op.len) };
@@ -634,7 +670,7 @@ impl<V: Verbs> Peer<V> {
                         ));
                         return Err(self.fail(e));
                     }
-                    let region = self.acquire(op.addr, op.len)?;
+                    let region = self.acquire(op.addr, op.len, op.device)?;
                     let mut at = 0;
                     let mut id = 0;
                     while at < op.len {
@@ -658,6 +694,9 @@ impl<V: Verbs> Peer<V> {
                         at += n;
                     }
                     COUNTERS.add_zero_copy_sent(op.len);
+                    if op.device {
+                        COUNTERS.add_device(op.len);
+                    }
                     op.state = SendState::Writing { id, region };
                 }
                 SendState::Writing { id, region } => {
@@ -693,7 +732,7 @@ impl<V: Verbs> Peer<V> {
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<bool> {
         self.check()?;
-        let large = op.len > self.cfg.eager_limit();
+        let large = self.by_rendezvous(op.len, op.device);
         loop {
             match op.state {
                 RecvState::Done => return Ok(true),
@@ -702,7 +741,21 @@ impl<V: Verbs> Peer<V> {
                         return Ok(false);
                     };
                     let (slot, len) = match inbound {
-                        Inbound::Eager { slot, len } | Inbound::Rts { slot, len } => (slot, len),
+                        Inbound::Eager { slot, len } => (slot, len),
+                        Inbound::Rts { slot, len } => {
+                            let got = self.header_in(slot, len)?;
+                            op.expect
+                                .check_received(&got, self.rank, self.peer)
+                                .map_err(|e| self.fail(e))?;
+                            let e = self.protocol(format!(
+                                "rank {} offers {} bytes by rendezvous (a large message, or one \
+                                 from GPU memory) where this rank receives {} bytes eagerly into \
+                                 host memory: both sides of a transfer must use the same kind of \
+                                 memory",
+                                self.peer, got.len, op.len
+                            ));
+                            return Err(self.fail(e));
+                        }
                         Inbound::Fin { .. } => {
                             let e = self.protocol("payload written without an offer".into());
                             return Err(self.fail(e));
@@ -741,7 +794,7 @@ impl<V: Verbs> Peer<V> {
                     }
                     let (dest, region) = match op.target {
                         Target::Direct => {
-                            let region = self.acquire(op.addr, op.len)?;
+                            let region = self.acquire(op.addr, op.len, op.device)?;
                             (
                                 Remote {
                                     addr: op.addr,
@@ -775,7 +828,11 @@ impl<V: Verbs> Peer<V> {
                                 .check_received(&got, self.rank, self.peer)
                                 .map_err(|e| self.fail(e))?;
                             if !matches!(inbound, Inbound::Rts { .. }) {
-                                let e = self.protocol("eager message for a large receive".into());
+                                let e = self.protocol(format!(
+                                    "eager message for a {} receive (both sides of a transfer \
+                                     must use the same kind of memory)",
+                                    if op.device { "GPU-memory" } else { "large" }
+                                ));
                                 return Err(self.fail(e));
                             }
                             op.state = RecvState::CtsSent { region, rts: true };
@@ -792,6 +849,9 @@ impl<V: Verbs> Peer<V> {
                             if let Some(region) = region {
                                 self.release(&region);
                                 COUNTERS.add_zero_copy_received(op.len);
+                                if op.device {
+                                    COUNTERS.add_device(op.len);
+                                }
                             } else if let Some(s) = &self.scratch {
                                 sink(s.bytes(0, op.len)).map_err(|e| self.fail(e))?;
                             }
@@ -830,13 +890,20 @@ impl<V: Verbs> Peer<V> {
         op.state = RecvState::Done;
     }
 
-    /// A registration of `[addr, addr + len)` from the cache.
-    fn acquire(&mut self, addr: u64, len: usize) -> Result<Region> {
+    /// Whether a message of `len` bytes (from or into GPU memory: `device`)
+    /// goes by rendezvous: above the eager limit, and every non-empty one
+    /// of GPU memory, which the CPU never touches. Both sides decide alike.
+    fn by_rendezvous(&self, len: usize, device: bool) -> bool {
+        len > self.cfg.eager_limit() || (device && len > 0)
+    }
+
+    /// A registration of `[addr, addr + len)` (GPU memory: `device`) from the cache.
+    fn acquire(&mut self, addr: u64, len: usize, device: bool) -> Result<Region> {
         let got = self
             .cache
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .acquire(&*self.verbs, addr, len);
+            .acquire(&*self.verbs, addr, len, device);
         got.map_err(|e| self.protocol(format!("registering {len} bytes: {e}")))
             .map_err(|e| self.fail(e))
     }

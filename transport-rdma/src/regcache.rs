@@ -73,13 +73,16 @@ impl RegCache {
         self.entries.is_empty()
     }
 
-    /// A registration covering `[addr, addr + len)`, reused or new; the
-    /// caller gives it back with [`RegCache::release`].
+    /// A registration covering `[addr, addr + len)`, of GPU memory where
+    /// `device` says so, reused or new; the caller gives it back with
+    /// [`RegCache::release`]. (GPU and host memory never share addresses:
+    /// CUDA's unified addressing.)
     pub fn acquire<V: Verbs>(
         &mut self,
         verbs: &V,
         addr: u64,
         len: usize,
+        device: bool,
     ) -> Result<Region, String> {
         self.tick += 1;
         let tick = self.tick;
@@ -94,7 +97,10 @@ impl RegCache {
             return Ok(e.region);
         }
         self.stats.misses += 1;
-        let region = verbs.register(addr, len.max(1))?;
+        let region = match device {
+            true => verbs.register_device(addr, len.max(1))?,
+            false => verbs.register(addr, len.max(1))?,
+        };
         REGISTRATIONS.fetch_add(1, Ordering::Relaxed);
         self.entries.push(Entry {
             region,

@@ -5,10 +5,12 @@
 //! One line of text per direction, under `rdma/{from}-{to}`:
 //!
 //! ```text
-//! ccl-rdma-v1 comm from to qpn lid gid psn mtu ring-addr ring-rkey slots slot-bytes mac
+//! ccl-rdma-v2 comm from to qpn lid gid psn mtu ring-addr ring-rkey slots slot-bytes gdr mac
 //! ```
 //!
-//! `mac` is `HMAC-SHA256(job secret, "ccl-rdma-v1 " + everything before it)`
+//! `gdr` is 1 where this side can register GPU memory and may (GPUDirect
+//! RDMA; a pair uses it only if both sides say 1), else 0. `mac` is
+//! `HMAC-SHA256(job secret, "ccl-rdma-v2 " + everything before it)`
 //! (`-` in a job without a secret). A reader refuses a line of another
 //! communicator (a stale job's, left in a store that outlives jobs), of
 //! another pair, with other ring sizes, or whose MAC does not prove the
@@ -25,7 +27,7 @@ use crate::{
     verbs::{Endpoint, Remote},
 };
 
-const VERSION: &str = "ccl-rdma-v1";
+const VERSION: &str = "ccl-rdma-v2";
 
 /// What one side tells the other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +40,8 @@ pub struct Offer {
     pub ring: Remote,
     pub slots: usize,
     pub slot_bytes: usize,
+    /// This side registers GPU memory (GPUDirect RDMA) and may use it.
+    pub gpudirect: bool,
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -70,7 +74,7 @@ impl Offer {
     fn body(&self) -> String {
         let e = &self.endpoint;
         format!(
-            "{VERSION} {:x} {} {} {} {} {} {} {} {:x} {} {} {}",
+            "{VERSION} {:x} {} {} {} {} {} {} {} {:x} {} {} {} {}",
             self.comm,
             self.from,
             self.to,
@@ -82,7 +86,8 @@ impl Offer {
             self.ring.addr,
             self.ring.rkey,
             self.slots,
-            self.slot_bytes
+            self.slot_bytes,
+            u8::from(self.gpudirect)
         )
     }
 
@@ -107,7 +112,7 @@ impl Offer {
         }
         let bad = || format!("malformed RDMA set-up data from rank {from}: {text:?}");
         let f: Vec<&str> = text.split(' ').collect();
-        if f.len() != 14 || f[0] != VERSION {
+        if f.len() != 15 || f[0] != VERSION {
             return Err(bad());
         }
         let num = |i: usize| f[i].parse::<u64>().map_err(|_| bad());
@@ -132,10 +137,15 @@ impl Offer {
             },
             slots: num(11)? as usize,
             slot_bytes: num(12)? as usize,
+            gpudirect: match f[13] {
+                "0" => false,
+                "1" => true,
+                _ => return Err(bad()),
+            },
         };
         let body = text.rsplit_once(' ').map(|(b, _)| b).ok_or_else(bad)?;
-        let proven = match (secret, unhex(f[13])) {
-            (None, _) => f[13] == "-",
+        let proven = match (secret, unhex(f[14])) {
+            (None, _) => f[14] == "-",
             (Some(s), Some(got)) => same(&auth::tag(s, body.as_bytes()), &got),
             (Some(_), None) => false,
         };
@@ -191,6 +201,7 @@ mod tests {
             },
             slots: 16,
             slot_bytes: 65536,
+            gpudirect: true,
         }
     }
 
@@ -198,13 +209,24 @@ mod tests {
     fn an_offer_of_this_job_is_accepted() {
         let secret = JobSecret::new("s3cret-s3cret-s3cret").unwrap();
         let cfg = RingConfig::default();
+        let without_gpudirect = Offer {
+            gpudirect: false,
+            ..offer()
+        };
         for s in [None, Some(&secret)] {
-            let line = offer().encode(s);
-            assert_eq!(
-                Offer::accept(line.as_bytes(), s, (0xabc, 1, 0), &cfg),
-                Ok(offer())
-            );
+            for o in [offer(), without_gpudirect] {
+                let line = o.encode(s);
+                assert_eq!(
+                    Offer::accept(line.as_bytes(), s, (0xabc, 1, 0), &cfg),
+                    Ok(o)
+                );
+            }
         }
+        // A line of the first version (no `gdr` field) is malformed now.
+        let old = offer().encode(None).replace("ccl-rdma-v2", "ccl-rdma-v1");
+        let old = old.replace(" 65536 1 -", " 65536 -");
+        let e = Offer::accept(old.as_bytes(), None, (0xabc, 1, 0), &cfg);
+        assert!(e.unwrap_err().contains("malformed"));
     }
 
     #[test]
@@ -249,7 +271,7 @@ mod tests {
         let e = Offer::accept(offer().encode(None).as_bytes(), None, ours, &small);
         assert!(e.unwrap_err().contains("CCL_RDMA_SLOTS"));
         // Garbage, and a rank without RDMA.
-        for junk in [&b"ccl-rdma-v1 1 2"[..], b"\xff\xfe", b""] {
+        for junk in [&b"ccl-rdma-v2 1 2"[..], b"\xff\xfe", b""] {
             assert!(Offer::accept(junk, None, ours, &cfg).is_err());
         }
         let e = Offer::accept(b"none no RDMA device", None, ours, &cfg);

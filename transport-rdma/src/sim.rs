@@ -537,6 +537,18 @@ impl Verbs for SimNic {
         }
     }
 
+    /// The simulated NIC moves bytes by address in the processes' memory, so
+    /// it takes GPU memory only where that is host memory posing as a GPU's
+    /// (ccl's CUDA stand-in, `CCL_CUDA_STAND_IN=1`), which is how the tests
+    /// run GPUDirect transfers here.
+    fn device_memory(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn register_device(&self, addr: u64, len: usize) -> Result<Region, String> {
+        self.register(addr, len)
+    }
+
     /// Writes land wherever the address maps now, as with on-demand paging.
     fn follows_remaps(&self) -> bool {
         true

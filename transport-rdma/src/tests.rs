@@ -179,6 +179,74 @@ fn eager_and_rendezvous_messages_arrive_intact_with_zero_copies_above_the_eager_
     assert!(after.zero_copy_received - before.zero_copy_received >= large);
 }
 
+/// Drives one message from `a` to `b` until both ops are done or one fails
+/// (a bounded number of rounds).
+fn one_message(
+    a: &mut P,
+    b: &mut P,
+    send: &mut SendOp,
+    recv: &mut RecvOp,
+) -> (crate::Result<bool>, crate::Result<bool>) {
+    let (mut sent, mut got) = (Ok(false), Ok(false));
+    for _ in 0..100_000 {
+        if matches!(sent, Ok(false)) {
+            sent = a.progress().and_then(|()| a.poll_send(send));
+        }
+        if matches!(got, Ok(false)) {
+            got = b
+                .progress()
+                .and_then(|()| b.poll_recv(recv, &mut |_| Ok(())));
+        }
+        if !matches!((&sent, &got), (Ok(false), _) | (_, Ok(false))) {
+            break;
+        }
+    }
+    (sent, got)
+}
+
+/// GPU memory (GPUDirect RDMA) is never touched by the CPU: even a message
+/// far below the eager limit goes by rendezvous, written by the NIC from
+/// and into it. The simulated NIC registers host memory posing as a GPU's,
+/// as ccl's CUDA stand-in's is. A transfer whose sides disagree on the kind
+/// of memory fails, naming the peer, instead of hanging.
+#[test]
+fn gpu_memory_always_goes_by_rendezvous_and_a_kind_mismatch_is_an_error() {
+    let fabric = Fabric::new();
+    let (mut a, mut b) = pair(&fabric, small(), Default::default());
+    let msg: Vec<u8> = (0..100u8).collect();
+    let mut got = vec![0u8; 100];
+    let before = COUNTERS.get();
+    let mut s = SendOp::device(header(0, 100), msg.as_ptr() as u64, 100);
+    let mut r = RecvOp::device(header(0, 100), got.as_mut_ptr() as u64, 100);
+    let (x, y) = one_message(&mut a, &mut b, &mut s, &mut r);
+    assert_eq!((x.unwrap(), y.unwrap()), (true, true));
+    assert_eq!(got, msg);
+    let after = COUNTERS.get();
+    assert!(after.device_bytes - before.device_bytes >= 200);
+    assert!(after.zero_copy_received - before.zero_copy_received >= 100);
+
+    // From GPU memory into host memory.
+    let mut s = SendOp::device(header(1, 100), msg.as_ptr() as u64, 100);
+    let mut r = RecvOp::new(header(1, 100), &mut got);
+    let (_, y) = one_message(&mut a, &mut b, &mut s, &mut r);
+    let e = y.unwrap_err().to_string();
+    assert!(
+        e.contains("same kind of memory") && e.contains("rank 0"),
+        "{e}"
+    );
+
+    // From host memory (eagerly) into GPU memory.
+    let (mut a, mut b) = pair(&fabric, small(), Default::default());
+    let mut s = SendOp::new(header(2, 100), &msg);
+    let mut r = RecvOp::device(header(2, 100), got.as_mut_ptr() as u64, 100);
+    let (_, y) = one_message(&mut a, &mut b, &mut s, &mut r);
+    let e = y.unwrap_err().to_string();
+    assert!(
+        e.contains("same kind of memory") && e.contains("rank 0"),
+        "{e}"
+    );
+}
+
 #[test]
 fn a_slow_receiver_is_never_overrun_and_a_fast_sender_never_deadlocks() {
     let fabric = Fabric::new();
@@ -519,26 +587,26 @@ fn the_registration_cache_hits_evicts_and_invalidates() {
     let mut cache = RegCache::new(2);
     let bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; 8192]).collect();
     let addr = |i: usize| bufs[i].as_ptr() as u64;
-    let r0 = cache.acquire(&nic, addr(0), 8192).unwrap();
+    let r0 = cache.acquire(&nic, addr(0), 8192, false).unwrap();
     cache.release(&nic, &r0);
     // The same buffer, or a part of it, hits.
-    let again = cache.acquire(&nic, addr(0) + 100, 1000).unwrap();
+    let again = cache.acquire(&nic, addr(0) + 100, 1000, false).unwrap();
     assert_eq!(again, r0);
     cache.release(&nic, &again);
     assert_eq!((cache.stats().hits, cache.stats().misses), (1, 1));
     // Two more buffers: the least recently used one is evicted, and its key stops working.
     for i in [1, 2] {
-        let r = cache.acquire(&nic, addr(i), 8192).unwrap();
+        let r = cache.acquire(&nic, addr(i), 8192, false).unwrap();
         cache.release(&nic, &r);
     }
     assert_eq!((cache.len(), cache.stats().evictions), (2, 1));
-    let r0b = cache.acquire(&nic, addr(0), 8192).unwrap();
+    let r0b = cache.acquire(&nic, addr(0), 8192, false).unwrap();
     assert_ne!(r0b.rkey, r0.rkey, "an evicted registration is made anew");
     // Invalidating a freed buffer drops its registration, even one in use
     // (once released).
     cache.invalidate(&nic, addr(0), 1);
     assert_eq!(cache.stats().invalidations, 1);
-    let r0c = cache.acquire(&nic, addr(0), 8192).unwrap();
+    let r0c = cache.acquire(&nic, addr(0), 8192, false).unwrap();
     assert_ne!(r0c.rkey, r0b.rkey);
     cache.release(&nic, &r0b);
     cache.release(&nic, &r0c);
@@ -556,15 +624,15 @@ fn a_cache_without_room_keeps_registrations_only_while_held() {
     let mut cache = RegCache::new(0);
     let buf = vec![0u8; 8192];
     let addr = buf.as_ptr() as u64;
-    let a = cache.acquire(&nic, addr, 8192).unwrap();
+    let a = cache.acquire(&nic, addr, 8192, false).unwrap();
     // A second operation on the same buffer while the first holds it shares it.
-    let b = cache.acquire(&nic, addr, 4096).unwrap();
+    let b = cache.acquire(&nic, addr, 4096, false).unwrap();
     assert_eq!(a, b);
     cache.release(&nic, &a);
     assert_eq!(cache.len(), 1);
     cache.release(&nic, &b);
     assert!(cache.is_empty(), "an unused registration was kept");
-    let c = cache.acquire(&nic, addr, 8192).unwrap();
+    let c = cache.acquire(&nic, addr, 8192, false).unwrap();
     assert_ne!(c.rkey, a.rkey, "the next call registers anew");
     assert_eq!((cache.stats().hits, cache.stats().misses), (1, 2));
     cache.release(&nic, &c);
@@ -593,8 +661,8 @@ fn a_write_that_fails_after_its_send_returned_ends_a_wait_on_another_peer() {
         yield_between: false,
         repoll: false,
     };
-    let to_x = RdmaLink::new((0, 1), x, pairs.clone(), spin);
-    let to_y = RdmaLink::new((0, 2), y, pairs, spin);
+    let to_x = RdmaLink::new((0, 1), x, pairs.clone(), spin, false);
+    let to_y = RdmaLink::new((0, 2), y, pairs, spin, false);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()

@@ -110,6 +110,22 @@ pub trait Verbs: Send + Sync + 'static {
     /// (`ibv_reg_mr`; slow: the registration cache keeps them).
     fn register(&self, addr: u64, len: usize) -> Result<Region, String>;
 
+    /// Whether GPU memory can be registered (GPUDirect RDMA), or why not.
+    fn device_memory(&self) -> Result<(), String> {
+        Err(format!("{} cannot register GPU memory", self.name()))
+    }
+
+    /// Registers `[addr, addr + len)` of GPU memory for local reads and
+    /// remote writes, so that the NIC moves it without the host (GPUDirect
+    /// RDMA); only where [`Verbs::device_memory`] says it can.
+    fn register_device(&self, addr: u64, len: usize) -> Result<Region, String> {
+        let _ = (addr, len);
+        Err(self
+            .device_memory()
+            .err()
+            .unwrap_or_else(|| format!("{} cannot register GPU memory", self.name())))
+    }
+
     /// Releases a registration (`ibv_dereg_mr`): its `rkey` stops working.
     fn deregister(&self, region: &Region);
 
