@@ -60,6 +60,12 @@ fn device(comm: &Communicator, ck: &mut Checker) {
     device_transfers::<u32>(&dev, ck);
     device_transfers::<i8>(&dev, ck);
     device_transfers::<f64>(&dev, ck);
+    // What a receive through GPUDirect RDMA calls before the caller's
+    // stream may read what the NIC wrote: on a GPU, the driver's flush.
+    ck.ok(
+        "flushing a NIC's writes to the GPU",
+        gpu.flush_remote_writes(),
+    );
     // Host memory passed as device memory: refused, naming the call.
     let sum = ccl::Collective::new(ccl::CollectiveKind::AllReduce, ccl::DataType::F32, 4);
     let mut host = [0f32; 4];
