@@ -64,9 +64,8 @@ pub struct Options {
     /// (`CCL_CUDA_IPC_DIRECT`); every rank must use the same.
     pub cuda_ipc_direct: usize,
     /// Staged reductions reduce on the GPU, the hosts only moving data
-    /// (`CCL_CUDA_STAGED_GPU_REDUCE=1`; default off: the host collective
-    /// reduces, which was faster on the GPU machine measured); every rank
-    /// must use the same.
+    /// (`CCL_CUDA_STAGED_GPU_REDUCE`, default on; `0`: the host collective
+    /// reduces); every rank must use the same.
     pub cuda_staged_gpu_reduce: bool,
 }
 
@@ -85,7 +84,7 @@ impl Default for Options {
             cuda_ipc: true,
             cuda_ipc_chunk: DEFAULT_CUDA_IPC_CHUNK,
             cuda_ipc_direct: DEFAULT_CUDA_IPC_DIRECT,
-            cuda_staged_gpu_reduce: false,
+            cuda_staged_gpu_reduce: true,
         }
     }
 }
@@ -124,7 +123,7 @@ impl Options {
                 DEFAULT_CUDA_IPC_DIRECT,
                 0..=usize::MAX,
             )?,
-            cuda_staged_gpu_reduce: config.knob_number("CCL_CUDA_STAGED_GPU_REDUCE", 0, 0..=1)?
+            cuda_staged_gpu_reduce: config.knob_number("CCL_CUDA_STAGED_GPU_REDUCE", 1, 0..=1)?
                 == 1,
         })
     }
