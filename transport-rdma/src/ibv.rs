@@ -89,6 +89,9 @@ impl Drop for Device {
 pub struct IbvNic {
     name: String,
     device: Arc<Device>,
+    /// The NIC pages host registrations on demand (`IBV_ACCESS_ON_DEMAND`
+    /// was accepted at open): they follow the address space.
+    on_demand: bool,
     /// Live registrations by local key.
     regions: Mutex<HashMap<u32, MemoryRegion>>,
 }
@@ -217,19 +220,41 @@ impl IbvNic {
         if device.pd.is_null() {
             return Err(fail("ibv_alloc_pd", std::io::Error::last_os_error()));
         }
+        let on_demand = pages_on_demand(device.pd);
         tracing::debug!(
             device = %name,
             lid = device.port_attr.lid,
             mtu = mtu_bytes(device.port_attr.active_mtu),
             roce = ethernet,
+            on_demand,
             "rdma: opened"
         );
         Ok(IbvNic {
             name,
             device: Arc::new(device),
+            on_demand,
             regions: Mutex::new(HashMap::new()),
         })
     }
+}
+
+/// Whether the NIC of `pd` registers host memory with on-demand paging:
+/// a page registered so is accepted (the capability is in
+/// `ibv_query_device_ex`, an inline function the bindings lack).
+fn pages_on_demand(pd: *mut ffi::ibv_pd) -> bool {
+    let page = vec![0u8; 4096];
+    let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+        | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+        | ffi::ibv_access_flags::IBV_ACCESS_ON_DEMAND;
+    // SAFETY: `page` outlives the registration, released at once.
+    unsafe {
+        let mr = ffi::ibv_reg_mr(pd, page.as_ptr() as *mut _, page.len(), access.0 as i32);
+        if mr.is_null() {
+            return false;
+        }
+        ffi::ibv_dereg_mr(mr);
+    }
+    true
 }
 
 /// GID `index` of `port`.
@@ -299,10 +324,14 @@ fn mtu_enum(bytes: u32) -> ffi::ibv_mtu {
 }
 
 impl IbvNic {
-    /// `ibv_reg_mr` of `[addr, addr + len)` for local writes and remote writes.
-    fn reg_mr(&self, addr: u64, len: usize) -> Result<Region, String> {
-        let access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+    /// `ibv_reg_mr` of `[addr, addr + len)` for local writes and remote
+    /// writes, paged on demand where `on_demand` says so.
+    fn reg_mr(&self, addr: u64, len: usize, on_demand: bool) -> Result<Region, String> {
+        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
             | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
+        if on_demand {
+            access |= ffi::ibv_access_flags::IBV_ACCESS_ON_DEMAND;
+        }
         // SAFETY: the caller keeps `[addr, addr + len)` mapped while registered
         // (the registration cache drops it before the memory goes).
         let mr =
@@ -337,7 +366,7 @@ impl Verbs for IbvNic {
     }
 
     fn register(&self, addr: u64, len: usize) -> Result<Region, String> {
-        self.reg_mr(addr, len)
+        self.reg_mr(addr, len, self.on_demand)
     }
 
     /// GPU memory through the peer-memory client that NVIDIA's driver
@@ -359,7 +388,7 @@ impl Verbs for IbvNic {
 
     fn register_device(&self, addr: u64, len: usize) -> Result<Region, String> {
         self.device_memory()?;
-        self.reg_mr(addr, len)
+        self.reg_mr(addr, len, false)
     }
 
     fn deregister(&self, region: &Region) {
@@ -377,9 +406,10 @@ impl Verbs for IbvNic {
         }
     }
 
-    /// Registrations pin pages (on-demand paging is not asked for yet).
+    /// Host registrations follow the address space where the NIC pages
+    /// them on demand; elsewhere they pin pages.
     fn follows_remaps(&self) -> bool {
-        false
+        self.on_demand
     }
 
     fn queue_pair(&self) -> Result<IbvQp, String> {

@@ -12,7 +12,8 @@
 //! the communicator's close drops them all ([`RegCache::clear`]). ccl
 //! cannot see a user's `free`, so where a registration pins its pages (see
 //! [`Verbs::follows_remaps`]) the cache keeps none unused (capacity 0): a
-//! registration then lasts as long as the operations that hold it.
+//! registration then lasts as long as the operations that hold it. GPU
+//! memory (a `cudaFree` is as invisible) is never kept unused either.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -31,7 +32,8 @@ struct Entry {
     region: Region,
     last_used: u64,
     in_use: usize,
-    /// Invalidated while in use: deregistered when the last user lets go.
+    /// Invalidated while in use, or GPU memory: deregistered when the last
+    /// user lets go.
     doomed: bool,
 }
 
@@ -106,7 +108,7 @@ impl RegCache {
             region,
             last_used: tick,
             in_use: 1,
-            doomed: false,
+            doomed: device,
         });
         self.evict(verbs);
         Ok(region)

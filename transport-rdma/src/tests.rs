@@ -612,6 +612,12 @@ fn the_registration_cache_hits_evicts_and_invalidates() {
     cache.release(&nic, &r0c);
     cache.clear(&nic);
     assert!(cache.is_empty());
+    // GPU memory is never kept unused, even with room: its free is as
+    // invisible to ccl as a host buffer's.
+    let d = cache.acquire(&nic, addr(3), 8192, true).unwrap();
+    assert_eq!(cache.len(), 1);
+    cache.release(&nic, &d);
+    assert!(cache.is_empty(), "a GPU memory registration was kept");
 }
 
 /// Where registrations pin pages, a user buffer's registration lasts only

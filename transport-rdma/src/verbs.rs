@@ -132,11 +132,12 @@ pub trait Verbs: Send + Sync + 'static {
     /// A new queue pair, not yet connected.
     fn queue_pair(&self) -> Result<Self::Qp, String>;
 
-    /// Whether a registration follows the process's address space (on-demand
-    /// paging): memory freed and mapped again at the same addresses is
-    /// reached through the old key. Where it does not (a pinned
-    /// registration keeps the old pages), registrations of user buffers
-    /// must not outlive the operation, since ccl cannot see a user's `free`.
+    /// Whether a registration of host memory follows the process's address
+    /// space (on-demand paging): memory freed and mapped again at the same
+    /// addresses is reached through the old key. Where it does not (a
+    /// pinned registration keeps the old pages), registrations of user
+    /// buffers must not outlive the operation, since ccl cannot see a
+    /// user's `free`. Registrations of GPU memory never do.
     fn follows_remaps(&self) -> bool;
 }
 
