@@ -188,9 +188,12 @@ impl<V: Verbs> Link for RdmaLink<V> {
 
     fn send<'a>(&'a self, header: FrameHeader, data: BufRef<'a>) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let op = match self.device(data.kind())? {
-                true => SendOp::device(header, data.as_ptr() as u64, data.len()),
-                false => SendOp::new(header, data.host()?),
+            // An empty message carries no bytes of any kind (and its
+            // address may be null).
+            let op = match (self.device(data.kind())?, data.len()) {
+                (true, 0) => SendOp::new(header, &[]),
+                (true, len) => SendOp::device(header, data.as_ptr() as u64, len),
+                (false, _) => SendOp::new(header, data.host()?),
             };
             let mut s = Sending {
                 link: self,
@@ -206,9 +209,10 @@ impl<V: Verbs> Link for RdmaLink<V> {
 
     fn recv<'a>(&'a self, expect: FrameHeader, mut into: BufMut<'a>) -> LinkFuture<'a, ()> {
         Box::pin(async move {
-            let op = match self.device(into.kind())? {
-                true => RecvOp::device(expect, into.as_mut_ptr() as u64, into.len()),
-                false => RecvOp::new(expect, into.host()?),
+            let op = match (self.device(into.kind())?, into.len()) {
+                (true, 0) => RecvOp::new(expect, &mut []),
+                (true, len) => RecvOp::device(expect, into.as_mut_ptr() as u64, len),
+                (false, _) => RecvOp::new(expect, into.host()?),
             };
             let mut r = Receiving {
                 link: self,
