@@ -1017,15 +1017,14 @@ fn moved_directly(
     received: bool,
     outcome: &Arc<Mutex<Outcome>>,
 ) -> Box<dyn FnOnce(Result<()>) + Send> {
-    let (staging, outcome) = (staging.clone(), outcome.clone());
+    let gpu = staging.gpu().clone();
+    let counted = staged_out(staging, layout, chunk, 0, outcome, false);
     Box::new(move |result: Result<()>| {
-        let flushed = match received && result.is_ok() {
-            true => staging.gpu().flush_remote_writes(),
-            false => Ok(()),
+        let result = match received && result.is_ok() {
+            true => gpu.flush_remote_writes(),
+            false => result,
         };
-        // SAFETY: nothing is copied (`ok` false); the chunk is only counted.
-        let counted = unsafe { staging.stage_out(&layout, &chunk, std::ptr::null_mut(), false) };
-        Outcome::report(&outcome, result.and(flushed).and(counted));
+        counted(result)
     })
 }
 
