@@ -135,6 +135,37 @@ fn device_transfers_move_gpu_memory_through_the_nic() {
 
 /// Completions reordered and delayed, and a ring of two slots, so that
 /// senders run out of credits all the time: the results are still right.
+/// A rank that waits long for its peer sleeps on the completion channel
+/// and is woken by the peer's first message, instead of napping between
+/// polls all along: the worker's `slow` scenario holds rank 1 back 1.5 s
+/// before each of two allreduces.
+#[test]
+fn a_long_wait_sleeps_on_the_completion_channel() {
+    let fabric = Fabric::new("sleep");
+    let out = launch(
+        WORKER,
+        &["slow"],
+        2,
+        &fabric.env(&[]),
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&out, "slow allreduces over rdma");
+    // eager, zero-copy sent and received, GPU bytes, then the waits.
+    let n = all_counters(&out[0]);
+    let (slept, woken, napped) = (n[4], n[5], n[6]);
+    eprintln!("rank 0 slept {slept} times, woken {woken}, napped {napped}");
+    assert!(
+        woken >= 2,
+        "a message woke rank 0 {woken} times, not at each call"
+    );
+    assert!(slept >= woken, "{slept} sleeps, {woken} wake-ups");
+    // Naps of at most 1 ms through 3 s of waiting would be about 3,000.
+    assert!(
+        napped < 1000,
+        "rank 0 napped {napped} times while it waited"
+    );
+}
+
 #[test]
 fn reordered_delayed_completions_and_scarce_credits_still_give_right_results() {
     let fabric = Fabric::new("faults");

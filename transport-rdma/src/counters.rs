@@ -1,5 +1,6 @@
-//! Process-wide counters of what the RDMA links moved and how, read by the
-//! tests (zero copies above the eager limit) and by `ccl-bench`.
+//! Process-wide counters of what the RDMA links moved and how, and of how
+//! their futures waited, read by the tests (zero copies above the eager
+//! limit; sleeping on the completion channel) and by `ccl-bench`.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -10,6 +11,9 @@ pub struct Counters {
     zero_copy_sent: AtomicU64,
     zero_copy_received: AtomicU64,
     device: AtomicU64,
+    sleeps: AtomicU64,
+    wakeups: AtomicU64,
+    naps: AtomicU64,
 }
 
 /// A snapshot of [`Counters`].
@@ -24,6 +28,13 @@ pub struct CounterValues {
     /// Of the zero-copy bytes sent and received, those in GPU memory
     /// (GPUDirect RDMA).
     pub device_bytes: u64,
+    /// Times a waiting future slept on the completion channel.
+    pub sleeps: u64,
+    /// Of those, the times a completion woke it (the rest timed out or saw
+    /// a local abort).
+    pub wakeups: u64,
+    /// Short naps of waiting futures that could not sleep on the channel.
+    pub naps: u64,
 }
 
 /// This process's counters.
@@ -32,6 +43,9 @@ pub static COUNTERS: Counters = Counters {
     zero_copy_sent: AtomicU64::new(0),
     zero_copy_received: AtomicU64::new(0),
     device: AtomicU64::new(0),
+    sleeps: AtomicU64::new(0),
+    wakeups: AtomicU64::new(0),
+    naps: AtomicU64::new(0),
 };
 
 impl Counters {
@@ -51,6 +65,18 @@ impl Counters {
         self.device.fetch_add(n as u64, Relaxed);
     }
 
+    pub(crate) fn add_sleep(&self) {
+        self.sleeps.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn add_wakeup(&self) {
+        self.wakeups.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn add_nap(&self) {
+        self.naps.fetch_add(1, Relaxed);
+    }
+
     /// The values now.
     pub fn get(&self) -> CounterValues {
         CounterValues {
@@ -58,6 +84,9 @@ impl Counters {
             zero_copy_sent: self.zero_copy_sent.load(Relaxed),
             zero_copy_received: self.zero_copy_received.load(Relaxed),
             device_bytes: self.device.load(Relaxed),
+            sleeps: self.sleeps.load(Relaxed),
+            wakeups: self.wakeups.load(Relaxed),
+            naps: self.naps.load(Relaxed),
         }
     }
 }

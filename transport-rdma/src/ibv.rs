@@ -4,7 +4,8 @@
 //! feature, since it links libibverbs.
 //!
 //! One protection domain per NIC; per peer one reliable-connected queue
-//! pair with its own completion queue. Every write is signaled; receives
+//! pair with its own completion queue, all of a communicator's completion
+//! queues on one completion channel (non-blocking, slept on by the links). Every write is signaled; receives
 //! carry no buffer (writes with immediate land in the peer's registered
 //! ring, the receive only reports the immediate and the length). Writes
 //! beyond what the send queue holds wait in a backlog and are posted as
@@ -20,13 +21,14 @@
 use std::{
     collections::{HashMap, VecDeque},
     ffi::CStr,
+    os::fd::{AsRawFd, RawFd},
     ptr,
     sync::{Arc, Mutex},
 };
 
 use ibverbs_sys as ffi;
 
-use crate::verbs::{Completion, Endpoint, QueuePair, Region, Status, Verbs, Write};
+use crate::verbs::{Channel, Completion, Endpoint, QueuePair, Region, Status, Verbs, Write};
 
 /// Work requests a send queue holds (fewer if the device allows fewer).
 /// Where a loaded GPU peer-memory client shows: `nvidia-peermem` (driver
@@ -360,6 +362,7 @@ impl IbvNic {
 
 impl Verbs for IbvNic {
     type Qp = IbvQp;
+    type Channel = IbvChannel;
 
     fn name(&self) -> String {
         self.name.clone()
@@ -412,8 +415,13 @@ impl Verbs for IbvNic {
         self.on_demand
     }
 
-    fn queue_pair(&self) -> Result<IbvQp, String> {
-        IbvQp::new(self.device.clone()).map_err(|e| format!("RDMA device {}: {e}", self.name))
+    fn channel(&self) -> Result<IbvChannel, String> {
+        IbvChannel::new(self.device.clone()).map_err(|e| format!("RDMA device {}: {e}", self.name))
+    }
+
+    fn queue_pair(&self, channel: &IbvChannel) -> Result<IbvQp, String> {
+        IbvQp::new(self.device.clone(), channel.0.clone())
+            .map_err(|e| format!("RDMA device {}: {e}", self.name))
     }
 }
 
@@ -427,9 +435,79 @@ impl Drop for IbvNic {
     }
 }
 
+/// A completion channel (`ibv_comp_channel`) with a non-blocking descriptor.
+pub struct IbvChannel(Arc<ChannelHandle>);
+
+/// Destroyed once the last completion queue made with it is gone.
+struct ChannelHandle {
+    channel: *mut ffi::ibv_comp_channel,
+    _device: Arc<Device>,
+}
+
+// SAFETY: a completion channel may be used from any thread.
+unsafe impl Send for ChannelHandle {}
+unsafe impl Sync for ChannelHandle {}
+
+impl IbvChannel {
+    fn new(device: Arc<Device>) -> Result<IbvChannel, String> {
+        // SAFETY: the context is open while `device` lives.
+        let channel = unsafe { ffi::ibv_create_comp_channel(device.context) };
+        if channel.is_null() {
+            return Err(format!(
+                "ibv_create_comp_channel: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let handle = ChannelHandle {
+            channel,
+            _device: device,
+        };
+        // SAFETY: the channel's own descriptor.
+        let fd = unsafe { (*channel).fd };
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            return Err(format!(
+                "making the completion channel non-blocking: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(IbvChannel(Arc::new(handle)))
+    }
+}
+
+impl AsRawFd for IbvChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        // SAFETY: a live channel.
+        unsafe { (*self.0.channel).fd }
+    }
+}
+
+impl Channel for IbvChannel {
+    fn drain(&self) {
+        let (mut cq, mut context) = (ptr::null_mut(), ptr::null_mut());
+        // SAFETY: a live, non-blocking channel; each event is acknowledged
+        // on the queue it names (which lives: it holds the channel).
+        while unsafe { ffi::ibv_get_cq_event(self.0.channel, &mut cq, &mut context) } == 0 {
+            unsafe { ffi::ibv_ack_cq_events(cq, 1) };
+        }
+    }
+}
+
+impl Drop for ChannelHandle {
+    fn drop(&mut self) {
+        // SAFETY: created in `IbvChannel::new`; every queue made with it is gone.
+        let errno = unsafe { ffi::ibv_destroy_comp_channel(self.channel) };
+        if errno != 0 {
+            tracing::warn!("ibv_destroy_comp_channel: errno {errno}");
+        }
+    }
+}
+
 /// One reliable-connected queue pair and its completion queue.
 pub struct IbvQp {
     device: Arc<Device>,
+    /// The channel the completion queue notifies; outlives the queue.
+    _channel: Arc<ChannelHandle>,
     cq: *mut ffi::ibv_cq,
     qp: *mut ffi::ibv_qp,
     psn: u32,
@@ -446,7 +524,7 @@ pub struct IbvQp {
 unsafe impl Send for IbvQp {}
 
 impl IbvQp {
-    fn new(device: Arc<Device>) -> Result<IbvQp, String> {
+    fn new(device: Arc<Device>, channel: Arc<ChannelHandle>) -> Result<IbvQp, String> {
         let cqe = (device.max_send_wr + device.max_recv_wr) as i32;
         let cqe = if device.max_cqe > 0 {
             cqe.min(device.max_cqe)
@@ -455,7 +533,7 @@ impl IbvQp {
         };
         // SAFETY: the context is open while `device` lives.
         let cq =
-            unsafe { ffi::ibv_create_cq(device.context, cqe, ptr::null_mut(), ptr::null_mut(), 0) };
+            unsafe { ffi::ibv_create_cq(device.context, cqe, ptr::null_mut(), channel.channel, 0) };
         if cq.is_null() {
             return Err(format!(
                 "ibv_create_cq: {}",
@@ -493,6 +571,7 @@ impl IbvQp {
         } & 0xff_ffff;
         Ok(IbvQp {
             device,
+            _channel: channel,
             cq,
             qp,
             psn,
@@ -794,6 +873,22 @@ impl QueuePair for IbvQp {
             out.extend(failed);
         }
     }
+
+    /// Writes still in the backlog are posted only by a poll: no sleep then.
+    fn arm(&mut self) -> bool {
+        if !self.backlog.is_empty() {
+            return false;
+        }
+        // SAFETY: a live completion queue made with a channel.
+        let errno = unsafe {
+            let ctx = (*self.cq).context;
+            match (*ctx).ops.req_notify_cq {
+                Some(req_notify_cq) => req_notify_cq(self.cq, 0),
+                None => libc::ENOSYS,
+            }
+        };
+        errno == 0
+    }
 }
 
 /// The protocol's view of a completion's status.
@@ -818,7 +913,9 @@ fn status(wc: &ffi::ibv_wc) -> Status {
 
 impl Drop for IbvQp {
     fn drop(&mut self) {
-        // SAFETY: created in `new`; the queue pair goes before its queue.
+        // SAFETY: created in `new`; the queue pair goes before its queue,
+        // whose events were acknowledged as they were taken (`drain`), and
+        // the queue before its channel (`_channel` drops after).
         unsafe {
             ffi::ibv_destroy_qp(self.qp);
             ffi::ibv_destroy_cq(self.cq);

@@ -57,7 +57,7 @@ pub use counters::{CounterValues, Counters, COUNTERS};
 pub use proto::RingConfig;
 pub use verbs::Verbs;
 
-use link::RdmaLink;
+use link::{RdmaLink, Sleeper};
 use proto::{Owned, Peer, PeerRing};
 use regcache::RegCache;
 use setup::Offer;
@@ -361,6 +361,10 @@ fn connect<V: Verbs>(
         0
     };
     let cache = Arc::new(Mutex::new(RegCache::new(keep)));
+    // Without a completion channel no pair of this rank can be made.
+    let channel = verbs
+        .channel()
+        .map_err(|e| format!("completion channel: {e}"));
     let gpudirect = options.gpudirect
         && verbs
             .device_memory()
@@ -376,7 +380,7 @@ fn connect<V: Verbs>(
                 String::from_utf8_lossy(why)
             )),
             None => (|| {
-                let qp = verbs.queue_pair()?;
+                let qp = verbs.queue_pair(channel.as_ref().map_err(Clone::clone)?)?;
                 let ring = Owned::new(&**verbs, cfg.slots * cfg.slot_bytes)?;
                 Ok(Half { qp, ring })
             })(),
@@ -440,6 +444,7 @@ fn connect<V: Verbs>(
         };
         states.push(state);
     }
+    let sleeper = channel.ok().map(|c| Arc::new(Sleeper::new(c)));
     let pairs: Arc<[_]> = states
         .iter()
         .filter_map(|s| s.as_ref().ok().map(|(state, _)| Arc::downgrade(state)))
@@ -448,9 +453,12 @@ fn connect<V: Verbs>(
         .iter()
         .zip(states)
         .map(|(&p, state)| {
-            state.map(|(state, gpudirect)| {
-                let link = RdmaLink::new((rank, p), state, pairs.clone(), spin, gpudirect);
-                Arc::new(link) as Arc<dyn ccl_core::Link>
+            // A pair was made only with the channel.
+            let sleeper = sleeper.clone().ok_or("no completion channel");
+            state.and_then(|(state, gpudirect)| {
+                let link =
+                    RdmaLink::new((rank, p), state, pairs.clone(), spin, gpudirect, sleeper?);
+                Ok(Arc::new(link) as Arc<dyn ccl_core::Link>)
             })
         })
         .collect();

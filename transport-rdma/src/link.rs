@@ -1,6 +1,12 @@
 //! The RDMA link: drives one peer's protocol state ([`Peer`]) from the
 //! link's futures. A waiting future polls the completion queue for the spin
-//! window, then sleeps in short, growing steps (up to 1 ms) between polls.
+//! window; then it arms the completion queues of the communicator's pairs
+//! (`ibv_req_notify_cq`), polls once more, and sleeps on their completion
+//! channel's file descriptor, registered with the runtime, until a
+//! completion, a local abort, or [`MAX_SLEEP`] (the keep-alive probes and
+//! the pairs' checks still run). Where a queue cannot be armed (the
+//! simulated fabric holding completions for its clock) it naps in short,
+//! growing steps (up to 1 ms) between polls instead.
 //! A dropped send or receive is cancelled in the protocol, which fails the
 //! pair if it was in the middle of a message. Each time a waiting future
 //! polls its pair it takes in the other pairs' completions too: an eager
@@ -10,9 +16,15 @@
 
 use std::{
     future::{poll_fn, Future},
-    sync::{Arc, Mutex, MutexGuard, TryLockError, Weak},
+    os::fd::{AsRawFd, RawFd},
+    sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak},
     task::Poll,
     time::{Duration, Instant},
+};
+
+use tokio::{
+    io::{unix::AsyncFd, Interest},
+    sync::Notify,
 };
 
 use ccl_core::{
@@ -21,12 +33,60 @@ use ccl_core::{
 };
 
 use crate::{
+    counters::COUNTERS,
     proto::{Peer, RecvOp, SendOp},
-    verbs::Verbs,
+    verbs::{Channel, Verbs},
 };
 
-/// Longest sleep between two polls of a waiting future.
+/// Longest nap between two polls of a waiting future that cannot sleep on
+/// the completion channel.
 const MAX_NAP: Duration = Duration::from_millis(1);
+/// Longest sleep on the completion channel before the pairs are polled
+/// again (well within the keep-alive interval).
+pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// What the waiting futures of one communicator's links sleep on.
+pub(crate) struct Sleeper<V: Verbs> {
+    /// The channel's descriptor registered with the runtime at first use;
+    /// `None` if that failed (waits then nap). Dropped before the channel.
+    fd: OnceLock<Option<AsyncFd<RawFd>>>,
+    channel: V::Channel,
+    /// Wakes every sleeper when this rank aborts a link.
+    aborted: Notify,
+}
+
+impl<V: Verbs> Sleeper<V> {
+    pub(crate) fn new(channel: V::Channel) -> Sleeper<V> {
+        Sleeper {
+            fd: OnceLock::new(),
+            channel,
+            aborted: Notify::new(),
+        }
+    }
+
+    /// The channel's descriptor in the current runtime, if it can be used.
+    /// The runtime must have I/O enabled, as the communicator's has.
+    fn fd(&self) -> Option<&AsyncFd<RawFd>> {
+        if let Some(fd) = self.fd.get() {
+            return fd.as_ref();
+        }
+        // Registered only from within a runtime (the engine's).
+        tokio::runtime::Handle::try_current().ok()?;
+        self.fd
+            .get_or_init(|| {
+                // SAFETY: the channel's descriptor stays open and the same
+                // until the channel drops, after this field.
+                unsafe {
+                    AsyncFd::register_with_interest(self.channel.as_raw_fd(), Interest::READABLE)
+                }
+                .inspect_err(|e| {
+                    tracing::debug!("rdma: completion channel unusable, waits nap: {e}")
+                })
+                .ok()
+            })
+            .as_ref()
+    }
+}
 
 /// The protocol state of one pair, shared with the rank's other links.
 pub(crate) type PeerState<V> = Arc<Mutex<Peer<V>>>;
@@ -41,6 +101,7 @@ pub(crate) struct RdmaLink<V: Verbs> {
     spin: Spin,
     /// Both sides register GPU memory: device buffers go through as they are.
     gpudirect: bool,
+    sleeper: Arc<Sleeper<V>>,
 }
 
 impl<V: Verbs> RdmaLink<V> {
@@ -50,6 +111,7 @@ impl<V: Verbs> RdmaLink<V> {
         pairs: Arc<[Weak<Mutex<Peer<V>>>]>,
         spin: Spin,
         gpudirect: bool,
+        sleeper: Arc<Sleeper<V>>,
     ) -> RdmaLink<V> {
         RdmaLink {
             rank,
@@ -58,6 +120,7 @@ impl<V: Verbs> RdmaLink<V> {
             pairs,
             spin,
             gpudirect,
+            sleeper,
         }
     }
 
@@ -97,13 +160,30 @@ impl<V: Verbs> RdmaLink<V> {
         Ok(())
     }
 
-    /// Runs `step` after each poll of the completion queue until it says done.
+    /// Arms the completion queue of every pair of this rank; false if one
+    /// cannot be armed, or is being polled by another future now.
+    fn arm_all(&self) -> bool {
+        self.pairs
+            .iter()
+            .filter_map(Weak::upgrade)
+            .all(|pair| match pair.try_lock() {
+                Ok(mut peer) => peer.arm(),
+                Err(TryLockError::Poisoned(p)) => p.into_inner().arm(),
+                Err(TryLockError::WouldBlock) => false,
+            })
+    }
+
+    /// Runs `step` after each poll of the completion queue until it says
+    /// done; waits as the module docs say.
     async fn drive(&self, mut step: impl FnMut(&mut Peer<V>) -> Result<bool>) -> Result<()> {
-        let started = Instant::now();
+        let mut started = Instant::now();
         let mut nap = Duration::from_micros(20);
-        let mut sleep: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        let mut napping: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+        // Armed: the abort notice is waited for from before the last poll.
+        let mut armed = None;
+        let mut sleeping = None;
         poll_fn(|cx| loop {
-            {
+            if napping.is_none() && sleeping.is_none() {
                 let mut peer = self.lock();
                 let done = peer
                     .progress()
@@ -120,27 +200,64 @@ impl<V: Verbs> RdmaLink<V> {
                     Err(e) => return Poll::Ready(Err(e)),
                     Ok(false) => {}
                 }
-            }
-            // Completions of other pairs are taken in while this one waits:
-            // a failure there ends this wait, and what they finished frees
-            // their resources without waiting for a call on them.
-            if let Err(e) = self.progress_others() {
-                return Poll::Ready(Err(e));
-            }
-            if started.elapsed() < self.spin.window {
-                if self.spin.yield_between {
-                    std::thread::yield_now();
+                drop(peer);
+                // Completions of other pairs are taken in while this one
+                // waits: a failure there ends this wait, and what they
+                // finished frees their resources without waiting for a call
+                // on them.
+                if let Err(e) = self.progress_others() {
+                    return Poll::Ready(Err(e));
                 }
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            let s = sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(nap)));
-            match s.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    sleep = None;
-                    nap = (nap * 2).min(MAX_NAP);
+                if started.elapsed() < self.spin.window {
+                    if self.spin.yield_between {
+                        std::thread::yield_now();
+                    }
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
                 }
-                Poll::Pending => return Poll::Pending,
+                match (armed.take(), self.sleeper.fd()) {
+                    // Armed and polled once more, with nothing new: sleep.
+                    (Some(aborted), Some(fd)) => {
+                        COUNTERS.add_sleep();
+                        sleeping = Some((
+                            Box::pin(tokio::time::sleep(MAX_SLEEP)),
+                            Box::pin(fd.readable()),
+                            aborted,
+                        ));
+                    }
+                    (None, Some(_)) if self.arm_all() => {
+                        armed = Some(Box::pin(self.sleeper.aborted.notified()));
+                        continue;
+                    }
+                    _ => napping = Some(Box::pin(tokio::time::sleep(nap))),
+                }
+            }
+            if let Some(s) = napping.as_mut() {
+                match s.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        napping = None;
+                        nap = (nap * 2).min(MAX_NAP);
+                        COUNTERS.add_nap();
+                    }
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            if let Some((timer, readable, aborted)) = sleeping.as_mut() {
+                if let Poll::Ready(ready) = readable.as_mut().poll(cx) {
+                    self.sleeper.channel.drain();
+                    if let Ok(mut guard) = ready {
+                        guard.clear_ready();
+                    }
+                    COUNTERS.add_wakeup();
+                    // A completion came: spin again for the ones after it.
+                    started = Instant::now();
+                    nap = Duration::from_micros(20);
+                } else if timer.as_mut().poll(cx).is_pending()
+                    && aborted.as_mut().poll(cx).is_pending()
+                {
+                    return Poll::Pending;
+                }
+                sleeping = None;
             }
         })
         .await
@@ -261,6 +378,7 @@ impl<V: Verbs> Link for RdmaLink<V> {
     fn abort<'a>(&'a self, notice: &'a AbortNotice) -> LinkFuture<'a, ()> {
         Box::pin(async move {
             self.lock().abort(notice);
+            self.sleeper.aborted.notify_waiters();
             Ok(())
         })
     }

@@ -513,6 +513,11 @@ impl<V: Verbs> Peer<V> {
         Ok(())
     }
 
+    /// Arms the queue pair's completion queue (see [`QueuePair::arm`]).
+    pub fn arm(&mut self) -> bool {
+        self.qp.arm()
+    }
+
     /// Called when the caller is about to wait: returns every consumed slot
     /// (so that a peer waiting for credits never waits on this side), and
     /// checks now and then that the peer is still there.

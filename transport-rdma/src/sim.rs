@@ -21,6 +21,11 @@
 //!   that was destroyed or went into the error state (which drops what
 //!   arrives, as hardware does), fails with retry-exceeded; after an error
 //!   every later work request is flushed.
+//! * **Completion channels** are named pipes (`wake-<pid>-<n>`). A queue
+//!   pair's file says which channel is its own and whether it is armed; a
+//!   write with immediate into an armed queue disarms it and writes a byte
+//!   into that pipe, which wakes its owner. A queue with completions still
+//!   held for the clock refuses to arm (they arrive only by polling).
 //! * **Faults** (`CCL_RDMA_SIM_FAULTS`, comma-separated): `reorder`
 //!   interleaves write and receive completions at random (each queue stays
 //!   in order, as in RC); `delay=N` holds every completion for N polls;
@@ -51,10 +56,13 @@
 
 use std::{
     collections::VecDeque,
-    fs::OpenOptions,
-    io,
+    fs::{File, OpenOptions},
+    io::{self, Read, Write as _},
     num::NonZeroUsize,
-    os::unix::fs::OpenOptionsExt,
+    os::{
+        fd::{AsRawFd, RawFd},
+        unix::fs::OpenOptionsExt,
+    },
     path::{Path, PathBuf},
     ptr::NonNull,
     sync::{
@@ -66,7 +74,7 @@ use std::{
 
 use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
 
-use crate::verbs::{Completion, Endpoint, QueuePair, Region, Status, Verbs, Write};
+use crate::verbs::{Channel, Completion, Endpoint, QueuePair, Region, Status, Verbs, Write};
 
 /// Modelled line rate: 100 Gbit/s is 12.5 bytes per nanosecond.
 pub const LINE_BYTES_PER_NS: f64 = 12.5;
@@ -77,7 +85,7 @@ pub const RETRY_TIMEOUT_NS: u64 = 470_000_000;
 
 const REGIONS: usize = 4096;
 const CQ_LEN: usize = 16384;
-const QP_HEAD: usize = 64;
+const QP_HEAD: usize = 128;
 const POSTED: usize = 0;
 const TAKEN: usize = 1;
 const CQ_HEAD: usize = 2;
@@ -87,6 +95,10 @@ const CLOSED: usize = 4;
 /// `RECEIVED`), and the earliest stamp it holds taken in but not handed out.
 const COUNTED: usize = 5;
 const HELD_MIN: usize = 6;
+/// Whether the owner sleeps until the next write with immediate arrives,
+/// and the number of its completion channel.
+const ARMED: usize = 7;
+const CHANNEL: usize = 8;
 
 /// This process's modelled clock, in nanoseconds, published for its peers
 /// in `clock-<pid>` under the first fabric directory it opened.
@@ -500,6 +512,7 @@ fn allows(table: &Map, rkey: u32, addr: u64, len: usize) -> bool {
 
 impl Verbs for SimNic {
     type Qp = SimQp;
+    type Channel = SimChannel;
 
     fn name(&self) -> String {
         format!("sim:{}", self.0.dir.display())
@@ -554,11 +567,43 @@ impl Verbs for SimNic {
         true
     }
 
-    fn queue_pair(&self) -> Result<SimQp, String> {
+    fn channel(&self) -> Result<SimChannel, String> {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let number = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = self
+            .0
+            .dir
+            .join(format!("wake-{}-{number}", std::process::id()));
+        let failed =
+            |e: &dyn std::fmt::Display| format!("simulated fabric: {}: {e}", path.display());
+        nix::unistd::mkfifo(
+            &path,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+        )
+        .map_err(|e| failed(&e))?;
+        // Open for writing too, so that the pipe never reads as closed.
+        let pipe = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(|e| failed(&e));
+        match pipe {
+            Ok(pipe) => Ok(SimChannel { number, pipe, path }),
+            Err(e) => {
+                let _ = std::fs::remove_file(&path);
+                Err(e)
+            }
+        }
+    }
+
+    fn queue_pair(&self, channel: &SimChannel) -> Result<SimQp, String> {
         let qpn = NEXT_QPN.fetch_add(1, Ordering::Relaxed);
         let path = self.0.dir.join(format!("qp-{}-{qpn}", std::process::id()));
         let file = Map::create(&path, QP_HEAD + CQ_LEN * 32)
             .map_err(|e| format!("simulated fabric: {}: {e}", path.display()))?;
+        file.word(CHANNEL)
+            .store(u64::from(channel.number), Ordering::Relaxed);
         Ok(SimQp {
             nic: self.0.clone(),
             qpn,
@@ -573,6 +618,33 @@ impl Verbs for SimNic {
     }
 }
 
+/// A completion channel of the simulated fabric: a named pipe (see the
+/// module docs), removed on drop.
+pub struct SimChannel {
+    number: u32,
+    pipe: File,
+    path: PathBuf,
+}
+
+impl AsRawFd for SimChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.pipe.as_raw_fd()
+    }
+}
+
+impl Channel for SimChannel {
+    fn drain(&self) {
+        let mut buf = [0u8; 256];
+        while matches!((&self.pipe).read(&mut buf), Ok(n) if n > 0) {}
+    }
+}
+
+impl Drop for SimChannel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// The peer's side, mapped.
 struct RemoteQp {
     pid: i32,
@@ -580,6 +652,32 @@ struct RemoteQp {
     table: Map,
     /// The peer process's published clock (none if it published none).
     clock: Option<Map>,
+    /// The pipe of the peer's completion channel, opened at its first notice.
+    wake: OnceLock<Option<File>>,
+    dir: PathBuf,
+}
+
+impl RemoteQp {
+    /// Wakes the peer if it sleeps on this queue: called after a completion
+    /// was put in it.
+    fn notify(&self) {
+        fence(Ordering::SeqCst);
+        if self.qp.word(ARMED).swap(0, Ordering::SeqCst) == 0 {
+            return;
+        }
+        let channel = self.qp.word(CHANNEL).load(Ordering::Relaxed);
+        let pipe = self.wake.get_or_init(|| {
+            OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_NONBLOCK)
+                .open(self.dir.join(format!("wake-{}-{channel}", self.pid)))
+                .ok()
+        });
+        // A full pipe is readable already; a closed one has no sleeper.
+        if let Some(mut pipe) = pipe.as_ref() {
+            let _ = pipe.write(&[1]);
+        }
+    }
 }
 
 /// A simulated RC queue pair (see the module docs).
@@ -706,6 +804,7 @@ impl SimQp {
                 .store(u64::from(imm) << 32 | w.len as u64, Ordering::Relaxed);
             remote.qp.word(e + 1).store(arrival, Ordering::Relaxed);
             remote.qp.word(CQ_HEAD).store(head + 1, Ordering::Release);
+            remote.notify();
         }
         (Status::Success, ack)
     }
@@ -745,6 +844,8 @@ impl QueuePair for SimQp {
             qp: open(&qp_path, QP_HEAD + CQ_LEN * 32)?,
             table: open(&nic_path, REGIONS * 32)?,
             clock: Map::open(&self.nic.dir.join(format!("clock-{pid}")), CLOCK_FILE_LEN).ok(),
+            wake: OnceLock::new(),
+            dir: self.nic.dir.clone(),
         });
         PAIRS
             .lock()
@@ -800,6 +901,20 @@ impl QueuePair for SimQp {
         };
         let held_min = first(true).min(first(false));
         self.file.word(HELD_MIN).store(held_min, Ordering::Relaxed);
+    }
+
+    fn arm(&mut self) -> bool {
+        let arrived = || {
+            self.file.word(CQ_HEAD).load(Ordering::SeqCst)
+                != self.file.word(CQ_TAIL).load(Ordering::Relaxed)
+        };
+        if !self.local.is_empty() || !self.held.is_empty() || arrived() {
+            return false;
+        }
+        self.file.word(ARMED).store(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // Nothing arrived before the writer could see the queue armed.
+        !arrived()
     }
 }
 

@@ -17,7 +17,7 @@ use crate::{
     proto::{Owned, Peer, PeerRing, RecvOp, RingConfig, SendOp},
     regcache::RegCache,
     sim::{Faults, SimNic},
-    verbs::{Completion, QueuePair, Remote, Status, Verbs},
+    verbs::{Channel, Completion, QueuePair, Remote, Status, Verbs},
     COUNTERS,
 };
 
@@ -54,7 +54,7 @@ fn pair(fabric: &Fabric, cfg: RingConfig, faults: [Faults; 2]) -> (P, P) {
     let mut halves: Vec<_> = nics
         .iter()
         .map(|n| {
-            let qp = n.queue_pair().unwrap();
+            let qp = n.queue_pair(&n.channel().unwrap()).unwrap();
             let ring = Owned::new(&**n, cfg.slots * cfg.slot_bytes).unwrap();
             (qp, ring)
         })
@@ -407,7 +407,8 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
     let nics: Vec<SimNic> = (0..2)
         .map(|_| SimNic::open(&fabric.0, Faults::default()).unwrap())
         .collect();
-    let (mut q0, mut q1) = (nics[0].queue_pair().unwrap(), nics[1].queue_pair().unwrap());
+    let qp = |n: &SimNic| n.queue_pair(&n.channel().unwrap()).unwrap();
+    let (mut q0, mut q1) = (qp(&nics[0]), qp(&nics[1]));
     q0.connect(&q1.endpoint()).unwrap();
     q1.connect(&q0.endpoint()).unwrap();
     let src = vec![5u8; 64];
@@ -455,7 +456,7 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
             }
         ]
     );
-    let (mut q2, mut q3) = (nics[0].queue_pair().unwrap(), nics[1].queue_pair().unwrap());
+    let (mut q2, mut q3) = (qp(&nics[0]), qp(&nics[1]));
     q2.connect(&q3.endpoint()).unwrap();
     q3.connect(&q2.endpoint()).unwrap();
     q2.post_write(&write(4, 64, far.rkey)).unwrap();
@@ -472,6 +473,83 @@ fn the_fabric_refuses_writes_under_a_stale_key_or_past_the_region() {
 
 /// Polls `q` until `out` holds `n` completions (each is handed out once the
 /// modelled clock reaches it, which takes a few empty polls).
+/// Whether `fd` is readable now.
+fn readable(fd: &impl std::os::fd::AsRawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let ready = unsafe { libc::poll(&mut p, 1, 0) };
+    ready == 1
+}
+
+/// The completion channel: an armed queue wakes its owner at the next write
+/// with immediate into it, once; a queue with completions on their way
+/// refuses to arm (they come only by polling), as does one whose writes
+/// have not completed.
+#[test]
+fn an_armed_queue_wakes_its_channel_at_the_next_arrival() {
+    let fabric = Fabric::new();
+    let nics: Vec<SimNic> = (0..2)
+        .map(|_| SimNic::open(&fabric.0, Faults::default()).unwrap())
+        .collect();
+    let channels: Vec<_> = nics.iter().map(|n| n.channel().unwrap()).collect();
+    let mut q0 = nics[0].queue_pair(&channels[0]).unwrap();
+    let mut q1 = nics[1].queue_pair(&channels[1]).unwrap();
+    q0.connect(&q1.endpoint()).unwrap();
+    q1.connect(&q0.endpoint()).unwrap();
+    let dst = [0u8; 8];
+    let far = nics[1].register(dst.as_ptr() as u64, 8).unwrap();
+    let write = |id| crate::verbs::Write {
+        id,
+        addr: 0,
+        len: 0,
+        lkey: 0,
+        remote: Remote {
+            addr: far.addr,
+            rkey: far.rkey,
+        },
+        imm: Some(7),
+    };
+    q1.post_recv().unwrap();
+    q1.post_recv().unwrap();
+    assert!(q1.arm(), "an idle queue arms");
+    assert!(!readable(&channels[1]));
+    q0.post_write(&write(1)).unwrap();
+    assert!(
+        !q0.arm(),
+        "a queue whose write has not completed must not sleep"
+    );
+    assert!(
+        readable(&channels[1]),
+        "the arrival woke the armed queue's channel"
+    );
+    assert!(!readable(&channels[0]), "the writer's channel stays quiet");
+    channels[1].drain();
+    assert!(!readable(&channels[1]), "drained");
+    assert!(
+        !q1.arm(),
+        "a queue with an arrival not yet polled must not sleep"
+    );
+    let mut out = Vec::new();
+    poll_for(&mut q1, &mut out, 1);
+    assert_eq!(out.len(), 1, "{out:?}");
+    // Disarmed by the notice: the next arrival gives none until armed again.
+    channels[1].drain();
+    q0.post_write(&write(2)).unwrap();
+    assert!(!readable(&channels[1]), "a notice without arming");
+    out.clear();
+    poll_for(&mut q1, &mut out, 1);
+    assert!(q1.arm());
+    poll_for(&mut q0, &mut out, 3);
+    assert!(
+        q0.arm(),
+        "the writer's queue arms once its writes completed"
+    );
+}
+
 fn poll_for<Q: QueuePair>(q: &mut Q, out: &mut Vec<Completion>, n: usize) {
     for _ in 0..1000 {
         if out.len() >= n {
@@ -651,7 +729,7 @@ fn a_cache_without_room_keeps_registrations_only_while_held() {
 fn a_write_that_fails_after_its_send_returned_ends_a_wait_on_another_peer() {
     use ccl_core::{BufMut, BufRef, Link, Spin};
 
-    use crate::link::RdmaLink;
+    use crate::link::{RdmaLink, Sleeper};
 
     let fabric = Fabric::new();
     let failing = Faults {
@@ -667,10 +745,17 @@ fn a_write_that_fails_after_its_send_returned_ends_a_wait_on_another_peer() {
         yield_between: false,
         repoll: false,
     };
-    let to_x = RdmaLink::new((0, 1), x, pairs.clone(), spin, false);
-    let to_y = RdmaLink::new((0, 2), y, pairs, spin, false);
+    // The queues' own channels are gone: a sleep on this one ends only at
+    // its limit, so the wait below must end by polling.
+    let channel = SimNic::open(&fabric.0, Faults::default())
+        .unwrap()
+        .channel()
+        .unwrap();
+    let sleeper = Arc::new(Sleeper::new(channel));
+    let to_x = RdmaLink::new((0, 1), x, pairs.clone(), spin, false, sleeper.clone());
+    let to_y = RdmaLink::new((0, 2), y, pairs, spin, false, sleeper);
     let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+        .enable_all()
         .build()
         .unwrap();
     let data = [5u8; 100];

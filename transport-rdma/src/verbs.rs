@@ -3,7 +3,7 @@
 //! `ibv_post_recv`, `ibv_poll_cq`). The ibverbs glue implements it on a real
 //! NIC; the simulated fabric (`sim`) implements it for tests.
 
-use std::fmt;
+use std::{fmt, os::fd::AsRawFd};
 
 /// A registered memory region: what the NIC may read (`lkey`) and what a
 /// peer may write into (`rkey`).
@@ -102,6 +102,8 @@ pub struct Endpoint {
 pub trait Verbs: Send + Sync + 'static {
     /// One reliable-connected queue pair with its completion queue.
     type Qp: QueuePair;
+    /// A completion channel, shared by the queue pairs made with it.
+    type Channel: Channel;
 
     /// The device's name, for logs (`mlx5_0`, `sim`).
     fn name(&self) -> String;
@@ -129,8 +131,13 @@ pub trait Verbs: Send + Sync + 'static {
     /// Releases a registration (`ibv_dereg_mr`): its `rkey` stops working.
     fn deregister(&self, region: &Region);
 
-    /// A new queue pair, not yet connected.
-    fn queue_pair(&self) -> Result<Self::Qp, String>;
+    /// A completion channel (`ibv_create_comp_channel`) for the queue pairs
+    /// of one communicator.
+    fn channel(&self) -> Result<Self::Channel, String>;
+
+    /// A new queue pair, not yet connected, whose completion queue notifies
+    /// `channel` when armed.
+    fn queue_pair(&self, channel: &Self::Channel) -> Result<Self::Qp, String>;
 
     /// Whether a registration of host memory follows the process's address
     /// space (on-demand paging): memory freed and mapped again at the same
@@ -158,4 +165,21 @@ pub trait QueuePair: Send + 'static {
 
     /// Appends the completions that are ready (`ibv_poll_cq`); never blocks.
     fn poll(&mut self, out: &mut Vec<Completion>);
+
+    /// Asks for a notice on the channel at this queue's next completion
+    /// (`ibv_req_notify_cq`). A completion that came in just before may
+    /// give none, so the caller polls once more before it sleeps. False
+    /// where a sleeper would not be woken: completions are on their way
+    /// that only polling brings in (the simulated fabric's clock), or the
+    /// request failed; the caller then keeps polling.
+    fn arm(&mut self) -> bool;
+}
+
+/// A completion channel: its file descriptor turns readable once an armed
+/// completion queue made with it has a new completion.
+pub trait Channel: AsRawFd + Send + Sync + 'static {
+    /// Takes the notices that made the descriptor readable (and
+    /// acknowledges them: `ibv_get_cq_event`, `ibv_ack_cq_events`); never
+    /// blocks.
+    fn drain(&self);
 }

@@ -737,8 +737,15 @@ fn main() {
     if std::env::var_os("CCL_RDMA_SIM").is_some() {
         let c = ccl_transport_rdma::COUNTERS.get();
         println!(
-            "rdma: eager {} zero-copy sent {} received {} of GPU memory {}",
-            c.eager_bytes, c.zero_copy_sent, c.zero_copy_received, c.device_bytes
+            "rdma: eager {} zero-copy sent {} received {} of GPU memory {} \
+             waits slept {} woken {} napped {}",
+            c.eager_bytes,
+            c.zero_copy_sent,
+            c.zero_copy_received,
+            c.device_bytes,
+            c.sleeps,
+            c.wakeups,
+            c.naps
         );
     }
     println!(
