@@ -456,7 +456,7 @@ pub fn main(a: PeersArgs) -> i32 {
 
     let after = membw::measure_both(n, &cpus, buffer);
     let best = before.max(after);
-    let bound = membw::bound_busbw(coll, n, best);
+    let bound = membw::bound_busbw(coll, n, plan.inplace, best);
     for r in &mut rows {
         // The bound of the whole run: the better measurement.
         r.ccl_of_bound = bound.map(|b| ratio(r.ccl.busbw_gbps, b));
@@ -471,7 +471,7 @@ pub fn main(a: PeersArgs) -> i32 {
             println!(
                 "# memory bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best copy and a += b (single-copy model, bench/README.md)",
                 coll.name(),
-                membw::bound_formula(coll),
+                membw::bound_formula(coll, plan.inplace),
             );
             let list = |f: &dyn Fn(&SizeRow) -> Option<f64>| {
                 rows.iter()
@@ -539,7 +539,7 @@ pub fn main(a: PeersArgs) -> i32 {
             after,
             best,
             bound_busbw_gbps: bound,
-            formula: membw::bound_formula(coll).into(),
+            formula: membw::bound_formula(coll, plan.inplace).into(),
             definition: BOUND_DEFINITION.into(),
         },
         rows,

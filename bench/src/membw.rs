@@ -120,10 +120,11 @@ pub fn measure_both(threads: usize, cpus: &[usize], bytes: usize) -> MemBw {
 /// doing only its unavoidable memory work at the rates `m`, every rank reading
 /// its peers' buffers directly (one copy): for a buffer of S bytes,
 /// allreduce adds (n-1)S and copies (n-1)S, reduce-scatter adds (n-1)S,
-/// allgather, alltoall, gather, scatter and sendrecv copy (n-1)S (sendrecv
-/// nS), broadcast copies (n-1)S, reduce adds (n-1)S. `None` for barrier and a
-/// single rank.
-pub fn bound_busbw(coll: Coll, n: usize, m: MemBw) -> Option<f64> {
+/// allgather and alltoall copy (n-1)S from peers and, out of place, each
+/// rank's own block into its output too (S in all), gather, scatter and
+/// sendrecv copy (n-1)S (sendrecv nS), broadcast copies (n-1)S, reduce adds
+/// (n-1)S. `None` for barrier and a single rank.
+pub fn bound_busbw(coll: Coll, n: usize, in_place: bool, m: MemBw) -> Option<f64> {
     if n < 2 || m.copy_gbps <= 0.0 || m.add_gbps <= 0.0 {
         return None;
     }
@@ -132,6 +133,7 @@ pub fn bound_busbw(coll: Coll, n: usize, m: MemBw) -> Option<f64> {
     Some(match coll {
         Coll::Allreduce => 2.0 / (nf * (1.0 / a + 1.0 / c)),
         Coll::ReduceScatter => a / nf,
+        Coll::Allgather | Coll::Alltoall if !in_place => c * (nf - 1.0) / (nf * nf),
         Coll::Allgather | Coll::Alltoall | Coll::Gather | Coll::Scatter | Coll::Sendrecv => c / nf,
         Coll::Broadcast => c / (nf - 1.0),
         Coll::Reduce => a / (nf - 1.0),
@@ -140,10 +142,11 @@ pub fn bound_busbw(coll: Coll, n: usize, m: MemBw) -> Option<f64> {
 }
 
 /// The formula [`bound_busbw`] uses, in words, for the table's header.
-pub fn bound_formula(coll: Coll) -> &'static str {
+pub fn bound_formula(coll: Coll, in_place: bool) -> &'static str {
     match coll {
         Coll::Allreduce => "2 / (n (1/add + 1/copy))",
         Coll::ReduceScatter => "add / n",
+        Coll::Allgather | Coll::Alltoall if !in_place => "copy (n-1) / n^2",
         Coll::Allgather | Coll::Alltoall | Coll::Gather | Coll::Scatter | Coll::Sendrecv => {
             "copy / n"
         }
@@ -164,11 +167,16 @@ mod tests {
             add_gbps: 10.0,
         };
         // 2 ranks: allreduce = 2/(2 (0.1 + 0.1)) = 5.
-        assert!((bound_busbw(Coll::Allreduce, 2, m).unwrap() - 5.0).abs() < 1e-9);
-        assert!((bound_busbw(Coll::Allgather, 4, m).unwrap() - 2.5).abs() < 1e-9);
-        assert!((bound_busbw(Coll::Broadcast, 3, m).unwrap() - 5.0).abs() < 1e-9);
-        assert_eq!(bound_busbw(Coll::Barrier, 2, m), None);
-        assert_eq!(bound_busbw(Coll::Allreduce, 1, m), None);
+        let bound = |coll, n, in_place| bound_busbw(coll, n, in_place, m);
+        assert!((bound(Coll::Allreduce, 2, false).unwrap() - 5.0).abs() < 1e-9);
+        // In place: 3S of 4S copied from peers in 3S / 10 s, busbw 4S/(3S/10) · 3/4.
+        assert!((bound(Coll::Allgather, 4, true).unwrap() - 2.5).abs() < 1e-9);
+        // Out of place the own blocks add S: 4S copied, busbw 4S/(4S/10) · 3/4.
+        assert!((bound(Coll::Allgather, 4, false).unwrap() - 1.875).abs() < 1e-9);
+        assert!((bound(Coll::Alltoall, 2, false).unwrap() - 2.5).abs() < 1e-9);
+        assert!((bound(Coll::Broadcast, 3, true).unwrap() - 5.0).abs() < 1e-9);
+        assert_eq!(bound(Coll::Barrier, 2, false), None);
+        assert_eq!(bound(Coll::Allreduce, 1, false), None);
     }
 
     #[test]
