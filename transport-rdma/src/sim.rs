@@ -25,7 +25,8 @@
 //!   pair's file says which channel is its own and whether it is armed; a
 //!   write with immediate into an armed queue disarms it and writes a byte
 //!   into that pipe, which wakes its owner. A queue with completions still
-//!   held for the clock refuses to arm (they arrive only by polling).
+//!   held for the clock refuses to arm (they arrive only by polling), and
+//!   so does every queue of a process not yet published as idle.
 //! * **Faults** (`CCL_RDMA_SIM_FAULTS`, comma-separated): `reorder`
 //!   interleaves write and receive completions at random (each queue stays
 //!   in order, as in RC); `delay=N` holds every completion for N polls;
@@ -908,7 +909,12 @@ impl QueuePair for SimQp {
             self.file.word(CQ_HEAD).load(Ordering::SeqCst)
                 != self.file.word(CQ_TAIL).load(Ordering::Relaxed)
         };
-        if !self.local.is_empty() || !self.held.is_empty() || arrived() {
+        // Only a process its peers see as idle may sleep: their clocks then
+        // need no poll of its own to move on (see the module docs).
+        let idle = CLOCK_FILE
+            .get()
+            .is_none_or(|m| m.word(IDLE).load(Ordering::Acquire) != 0);
+        if !idle || !self.local.is_empty() || !self.held.is_empty() || arrived() {
             return false;
         }
         self.file.word(ARMED).store(1, Ordering::SeqCst);
