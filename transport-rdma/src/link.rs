@@ -183,7 +183,8 @@ impl<V: Verbs> RdmaLink<V> {
         let mut armed = None;
         let mut sleeping = None;
         poll_fn(|cx| loop {
-            if napping.is_none() && sleeping.is_none() {
+            // Every poll of this future polls the pair, whatever woke it.
+            {
                 let mut peer = self.lock();
                 let done = peer
                     .progress()
@@ -200,21 +201,21 @@ impl<V: Verbs> RdmaLink<V> {
                     Err(e) => return Poll::Ready(Err(e)),
                     Ok(false) => {}
                 }
-                drop(peer);
-                // Completions of other pairs are taken in while this one
-                // waits: a failure there ends this wait, and what they
-                // finished frees their resources without waiting for a call
-                // on them.
-                if let Err(e) = self.progress_others() {
-                    return Poll::Ready(Err(e));
+            }
+            // Completions of other pairs are taken in while this one waits:
+            // a failure there ends this wait, and what they finished frees
+            // their resources without waiting for a call on them.
+            if let Err(e) = self.progress_others() {
+                return Poll::Ready(Err(e));
+            }
+            if started.elapsed() < self.spin.window {
+                if self.spin.yield_between {
+                    std::thread::yield_now();
                 }
-                if started.elapsed() < self.spin.window {
-                    if self.spin.yield_between {
-                        std::thread::yield_now();
-                    }
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            if sleeping.is_none() && napping.is_none() {
                 match (armed.take(), self.sleeper.fd()) {
                     // Armed and polled once more, with nothing new: sleep.
                     (Some(aborted), Some(fd)) => {
@@ -230,16 +231,6 @@ impl<V: Verbs> RdmaLink<V> {
                         continue;
                     }
                     _ => napping = Some(Box::pin(tokio::time::sleep(nap))),
-                }
-            }
-            if let Some(s) = napping.as_mut() {
-                match s.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        napping = None;
-                        nap = (nap * 2).min(MAX_NAP);
-                        COUNTERS.add_nap();
-                    }
-                    Poll::Pending => return Poll::Pending,
                 }
             }
             if let Some((timer, readable, aborted)) = sleeping.as_mut() {
@@ -258,6 +249,17 @@ impl<V: Verbs> RdmaLink<V> {
                     return Poll::Pending;
                 }
                 sleeping = None;
+                continue;
+            }
+            if let Some(s) = napping.as_mut() {
+                match s.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        napping = None;
+                        nap = (nap * 2).min(MAX_NAP);
+                        COUNTERS.add_nap();
+                    }
+                    Poll::Pending => return Poll::Pending,
+                }
             }
         })
         .await
