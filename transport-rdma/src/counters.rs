@@ -30,8 +30,8 @@ pub struct CounterValues {
     pub device_bytes: u64,
     /// Times a waiting future slept on the completion channel.
     pub sleeps: u64,
-    /// Of those, the times a completion woke it (the rest timed out or saw
-    /// a local abort).
+    /// Of those, the times the channel woke it (a completion, or a notice
+    /// another waiter took first); the rest timed out or saw a local abort.
     pub wakeups: u64,
     /// Short naps of waiting futures that could not sleep on the channel.
     pub naps: u64,

@@ -1,15 +1,16 @@
 //! The glue to a real NIC: [`Verbs`] on libibverbs, through `ibverbs-sys`,
 //! the raw bindings of the `ibverbs` project (the safe `ibverbs` crate
-//! cannot register memory it did not allocate, nor post RDMA writes). Built only with the `ibverbs`
-//! feature, since it links libibverbs.
+//! cannot register memory it did not allocate, nor post RDMA writes). Built
+//! only with the `ibverbs` feature, since it links libibverbs.
 //!
 //! One protection domain per NIC; per peer one reliable-connected queue
 //! pair with its own completion queue, all of a communicator's completion
-//! queues on one completion channel (non-blocking, slept on by the links). Every write is signaled; receives
-//! carry no buffer (writes with immediate land in the peer's registered
-//! ring, the receive only reports the immediate and the length). Writes
-//! beyond what the send queue holds wait in a backlog and are posted as
-//! completions free room, so the protocol core never sees a full queue.
+//! queues on one completion channel (non-blocking, slept on by the links).
+//! Every write is signaled; receives carry no buffer (writes with immediate
+//! land in the peer's registered ring, the receive only reports the
+//! immediate and the length). Writes beyond what the send queue holds wait
+//! in a backlog and are posted as completions free room, so the protocol
+//! core never sees a full queue.
 //! A write longer than the port's largest message is split into several
 //! work requests, of which only the last is signaled and carries the
 //! immediate.
@@ -486,7 +487,8 @@ impl Channel for IbvChannel {
     fn drain(&self) {
         let (mut cq, mut context) = (ptr::null_mut(), ptr::null_mut());
         // SAFETY: a live, non-blocking channel; each event is acknowledged
-        // on the queue it names (which lives: it holds the channel).
+        // on the queue it names, which lives: `ibv_destroy_cq` waits until
+        // every event it handed out is acknowledged, which happens here.
         while unsafe { ffi::ibv_get_cq_event(self.0.channel, &mut cq, &mut context) } == 0 {
             unsafe { ffi::ibv_ack_cq_events(cq, 1) };
         }

@@ -4,9 +4,14 @@
 //! (`ibv_req_notify_cq`), polls once more, and sleeps on their completion
 //! channel's file descriptor, registered with the runtime, until a
 //! completion, a local abort, or [`MAX_SLEEP`] (the keep-alive probes and
-//! the pairs' checks still run). Where a queue cannot be armed (the
-//! simulated fabric holding completions for its clock) it naps in short,
-//! growing steps (up to 1 ms) between polls instead.
+//! the pairs' checks still run); the queues are armed again after that
+//! last poll, which may have posted work (credits, a keep-alive probe).
+//! Where a queue cannot be armed (writes in the glue's backlog, which only a
+//! poll posts; the simulated fabric holding completions for its clock), a
+//! pair is being polled by another future, or the descriptor cannot be
+//! registered, it naps in short, growing steps (up to 1 ms) between polls
+//! instead. The engine's runtime is current-thread, so no waiter of another
+//! thread can take a notice between this one's arming and its sleep.
 //! A dropped send or receive is cancelled in the protocol, which fails the
 //! pair if it was in the middle of a message. Each time a waiting future
 //! polls its pair it takes in the other pairs' completions too: an eager
@@ -17,7 +22,10 @@
 use std::{
     future::{poll_fn, Future},
     os::fd::{AsRawFd, RawFd},
-    sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex, MutexGuard, OnceLock, TryLockError, Weak,
+    },
     task::Poll,
     time::{Duration, Instant},
 };
@@ -50,8 +58,12 @@ pub(crate) struct Sleeper<V: Verbs> {
     /// The channel's descriptor registered with the runtime at first use;
     /// `None` if that failed (waits then nap). Dropped before the channel.
     fd: OnceLock<Option<AsyncFd<RawFd>>>,
+    /// Set when waiting on the descriptor failed (the runtime's I/O driver
+    /// is gone): waits nap from then on.
+    failed: AtomicBool,
     channel: V::Channel,
-    /// Wakes every sleeper when this rank aborts a link.
+    /// Wakes every sleeper when this rank aborts a link or a dropped call
+    /// fails a pair.
     aborted: Notify,
 }
 
@@ -59,6 +71,7 @@ impl<V: Verbs> Sleeper<V> {
     pub(crate) fn new(channel: V::Channel) -> Sleeper<V> {
         Sleeper {
             fd: OnceLock::new(),
+            failed: AtomicBool::new(false),
             channel,
             aborted: Notify::new(),
         }
@@ -67,6 +80,9 @@ impl<V: Verbs> Sleeper<V> {
     /// The channel's descriptor in the current runtime, if it can be used.
     /// The runtime must have I/O enabled, as the communicator's has.
     fn fd(&self) -> Option<&AsyncFd<RawFd>> {
+        if self.failed.load(Ordering::Relaxed) {
+            return None;
+        }
         if let Some(fd) = self.fd.get() {
             return fd.as_ref();
         }
@@ -218,7 +234,8 @@ impl<V: Verbs> RdmaLink<V> {
             if sleeping.is_none() && napping.is_none() {
                 match (armed.take(), self.sleeper.fd()) {
                     // Armed and polled once more, with nothing new: sleep.
-                    (Some(aborted), Some(fd)) => {
+                    // Armed again: the last poll may have posted work.
+                    (Some(aborted), Some(fd)) if self.arm_all() => {
                         COUNTERS.add_sleep();
                         sleeping = Some((
                             Box::pin(tokio::time::sleep(MAX_SLEEP)),
@@ -236,10 +253,16 @@ impl<V: Verbs> RdmaLink<V> {
             if let Some((timer, readable, aborted)) = sleeping.as_mut() {
                 if let Poll::Ready(ready) = readable.as_mut().poll(cx) {
                     self.sleeper.channel.drain();
-                    if let Ok(mut guard) = ready {
-                        guard.clear_ready();
+                    match ready {
+                        Ok(mut guard) => {
+                            guard.clear_ready();
+                            COUNTERS.add_wakeup();
+                        }
+                        Err(e) => {
+                            tracing::debug!("rdma: waiting on the completion channel: {e}");
+                            self.sleeper.failed.store(true, Ordering::Relaxed);
+                        }
                     }
-                    COUNTERS.add_wakeup();
                     // A completion came: spin again for the ones after it.
                     started = Instant::now();
                     nap = Duration::from_micros(20);
@@ -277,6 +300,9 @@ impl<V: Verbs> Drop for Sending<'_, V> {
     fn drop(&mut self) {
         if !self.done {
             self.link.lock().cancel_send(&mut self.op);
+            // Other waiters on the pair see its failure now, not at their
+            // next timeout.
+            self.link.sleeper.aborted.notify_waiters();
         }
     }
 }
@@ -292,6 +318,7 @@ impl<V: Verbs> Drop for Receiving<'_, V> {
     fn drop(&mut self) {
         if !self.done {
             self.link.lock().cancel_recv(&mut self.op);
+            self.link.sleeper.aborted.notify_waiters();
         }
     }
 }

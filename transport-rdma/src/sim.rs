@@ -25,8 +25,10 @@
 //!   pair's file says which channel is its own and whether it is armed; a
 //!   write with immediate into an armed queue disarms it and writes a byte
 //!   into that pipe, which wakes its owner. A queue with completions still
-//!   held for the clock refuses to arm (they arrive only by polling), and
-//!   so does every queue of a process not yet published as idle.
+//!   held for the clock, or writes not yet completed, refuses to arm (they
+//!   arrive only by polling), and so does every queue of a process not yet
+//!   published as idle or with queues on another channel (another
+//!   communicator, whose arrivals a sleeper would not count).
 //! * **Faults** (`CCL_RDMA_SIM_FAULTS`, comma-separated): `reorder`
 //!   interleaves write and receive completions at random (each queue stays
 //!   in order, as in RC); `delay=N` holds every completion for N polls;
@@ -668,7 +670,10 @@ impl RemoteQp {
         }
         let channel = self.qp.word(CHANNEL).load(Ordering::Relaxed);
         let pipe = self.wake.get_or_init(|| {
+            // Read-write, so that the pipe never lacks a reader: a write after
+            // its owner exited fills it instead of raising SIGPIPE.
             OpenOptions::new()
+                .read(true)
                 .write(true)
                 .custom_flags(libc::O_NONBLOCK)
                 .open(self.dir.join(format!("wake-{}-{channel}", self.pid)))
@@ -914,7 +919,12 @@ impl QueuePair for SimQp {
         let idle = CLOCK_FILE
             .get()
             .is_none_or(|m| m.word(IDLE).load(Ordering::Acquire) != 0);
-        if !idle || !self.local.is_empty() || !self.held.is_empty() || arrived() {
+        if !idle
+            || !self.local.is_empty()
+            || !self.held.is_empty()
+            || arrived()
+            || self.other_channels()
+        {
             return false;
         }
         self.file.word(ARMED).store(1, Ordering::SeqCst);
@@ -925,6 +935,20 @@ impl QueuePair for SimQp {
 }
 
 impl SimQp {
+    /// Whether this process has live queue pairs to other processes on
+    /// another channel (another communicator): a sleeper would not count
+    /// what reaches them, and those processes' clocks would wait for that
+    /// count (see the module docs).
+    fn other_channels(&self) -> bool {
+        let (mine, me) = (
+            self.file.word(CHANNEL).load(Ordering::Relaxed),
+            std::process::id() as i32,
+        );
+        live_pairs().iter().any(|(own, remote)| {
+            remote.pid != me && own.word(CHANNEL).load(Ordering::Relaxed) != mine
+        })
+    }
+
     /// Takes in what arrived and hands out what the clock has reached.
     fn take(&mut self, out: &mut Vec<Completion>) {
         let head = count_arrived(&self.file);
