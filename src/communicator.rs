@@ -198,7 +198,7 @@ impl Communicator {
             bootstrap::finish(rank, world_size, &*scoped, options.timeout)?;
         }
         let spin = ccl_core::Spin {
-            repoll: world_size > 1 && connected.class.in_memory,
+            repoll: world_size > 1 && connected.class.repoll.allows(spin.yield_between),
             window: match options.spin_window {
                 None if connected.class.progress_thread => Duration::ZERO,
                 _ => spin.window,

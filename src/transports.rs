@@ -169,7 +169,7 @@ impl Candidates {
 const NO_LINKS: LinkClass = LinkClass {
     name: "none",
     piece_bytes: 512 * 1024,
-    in_memory: false,
+    repoll: ccl_core::RepollWhen::Never,
     progress_thread: false,
 };
 

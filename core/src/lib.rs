@@ -41,7 +41,7 @@ pub use repoll::Repoll;
 pub use secret::JobSecret;
 pub use spin::{allowed_cpus, Spin};
 pub use store::Store;
-pub use transport::{Connector, LinkClass, PairResult, PeerInfo, Setup, Transport};
+pub use transport::{Connector, LinkClass, PairResult, PeerInfo, RepollWhen, Setup, Transport};
 pub use work::{work_pair, Completer, Event, Work};
 
 pub use half::{bf16, f16};

@@ -23,13 +23,38 @@ pub struct LinkClass {
     /// Largest piece one message of a schedule moves by default: each piece
     /// costs a hand-shake on some links, a pipeline stage on others.
     pub piece_bytes: usize,
-    /// The links make progress in memory, without a runtime: a thread that
-    /// waits on them may poll again at once ([`crate::Repoll`]).
-    pub in_memory: bool,
+    /// When a thread that waits on the links may poll them again at once,
+    /// without the runtime ([`crate::Repoll`]).
+    pub repoll: RepollWhen,
     /// The links move data on a thread of their own (QUIC's runtime): a
     /// waiting caller sleeps at once, since polling would only take the CPU
     /// that thread needs (unless `CCL_SPIN_US` asks for a window).
     pub progress_thread: bool,
+}
+
+/// When the links of a class may be polled again at once ([`LinkClass::repoll`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RepollWhen {
+    /// Never: the links need the runtime to make progress.
+    Never,
+    /// Only when every rank of the host has a CPU of its own: the links make
+    /// some progress without the runtime (a TCP link reads a small message
+    /// straight from its socket), but polling them again at once takes CPU
+    /// that ranks sharing a core need.
+    OwnCpu,
+    /// Always: the links live in memory and need no runtime.
+    Always,
+}
+
+impl RepollWhen {
+    /// Whether to repoll, given whether the host's ranks share CPUs.
+    pub fn allows(self, cpus_shared: bool) -> bool {
+        match self {
+            RepollWhen::Never => false,
+            RepollWhen::OwnCpu => !cpus_shared,
+            RepollWhen::Always => true,
+        }
+    }
 }
 
 /// What a rank tells the others about itself before links are made.
@@ -140,6 +165,16 @@ pub trait Connector: Send {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repolling_tcp_needs_a_cpu_per_rank() {
+        for shared in [false, true] {
+            assert!(RepollWhen::Always.allows(shared));
+            assert!(!RepollWhen::Never.allows(shared));
+        }
+        assert!(RepollWhen::OwnCpu.allows(false));
+        assert!(!RepollWhen::OwnCpu.allows(true));
+    }
 
     #[test]
     fn peer_info_round_trips() {

@@ -41,7 +41,7 @@ impl Transport for Loopback {
         LinkClass {
             name: "loopback",
             piece_bytes: 1 << 20,
-            in_memory: true,
+            repoll: ccl_core::RepollWhen::Always,
             progress_thread: false,
         }
     }

@@ -35,7 +35,8 @@ use std::{
 };
 
 use ccl_core::{
-    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
+    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, RepollWhen, Result, Setup, Spin,
+    Transport,
 };
 use ccl_rendezvous::{net::route_to, Config, Rendezvous};
 use quinn::{congestion, IdleTimeout, TransportConfig, VarInt};
@@ -51,7 +52,7 @@ pub use link::{PIECE, SEND_WINDOW};
 pub const CLASS: LinkClass = LinkClass {
     name: "quic",
     piece_bytes: 1024 * 1024,
-    in_memory: false,
+    repoll: RepollWhen::Never,
     progress_thread: true,
 };
 

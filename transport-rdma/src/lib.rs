@@ -49,7 +49,8 @@ use std::{
 };
 
 use ccl_core::{
-    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
+    Connector, Error, LinkClass, LinkFuture, PairResult, PeerInfo, RepollWhen, Result, Setup, Spin,
+    Transport,
 };
 use ccl_rendezvous::Config;
 
@@ -68,7 +69,7 @@ use sim::{Faults, SimNic};
 pub const CLASS: LinkClass = LinkClass {
     name: "rdma",
     piece_bytes: 1 << 20,
-    in_memory: false,
+    repoll: RepollWhen::Never,
     progress_thread: false,
 };
 

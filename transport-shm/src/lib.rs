@@ -34,8 +34,8 @@ use std::{
 };
 
 use ccl_core::{
-    Connector, Error, GroupMemory, Link, LinkClass, LinkFuture, PairResult, PeerInfo, Result,
-    Setup, Spin, Transport,
+    Connector, Error, GroupMemory, Link, LinkClass, LinkFuture, PairResult, PeerInfo, RepollWhen,
+    Result, Setup, Spin, Transport,
 };
 use ccl_rendezvous::Config;
 use nix::unistd::Pid;
@@ -61,7 +61,7 @@ pub const DEFAULT_BYTES: usize = 1 << 20;
 pub const CLASS: LinkClass = LinkClass {
     name: "shm",
     piece_bytes: 4 << 20,
-    in_memory: true,
+    repoll: RepollWhen::Always,
     progress_thread: false,
 };
 

@@ -28,7 +28,8 @@ mod socket;
 use std::net::IpAddr;
 
 use ccl_core::{
-    Connector, LinkClass, LinkFuture, PairResult, PeerInfo, Result, Setup, Spin, Transport,
+    Connector, LinkClass, LinkFuture, PairResult, PeerInfo, RepollWhen, Result, Setup, Spin,
+    Transport,
 };
 use ccl_rendezvous::{net::route_to, Config, Rendezvous};
 
@@ -38,11 +39,12 @@ pub use mesh::connect_mesh;
 pub use mesh::fuzz_decode as fuzz_decode_handshake;
 
 /// The class of TCP links: messages of a schedule are pipelined in pieces
-/// of 512 KiB, and the links need the runtime's reactor to make progress.
+/// of 512 KiB; large reads need the runtime's reactor, small ones ask the
+/// socket directly, so a rank with a CPU of its own polls again at once.
 pub const CLASS: LinkClass = LinkClass {
     name: "tcp",
     piece_bytes: 512 * 1024,
-    in_memory: false,
+    repoll: RepollWhen::OwnCpu,
     progress_thread: false,
 };
 

@@ -1,20 +1,22 @@
 //! The TCP link to one peer: one or more connected sockets.
 
 use std::{
-    io::{self, IoSlice, IoSliceMut},
+    io::{self, IoSlice, IoSliceMut, Read},
     net::Shutdown,
     ops::Range,
     os::fd::{AsRawFd, BorrowedFd, RawFd},
     sync::atomic::{AtomicBool, Ordering},
+    task::Poll,
     time::Duration,
 };
 
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
     AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
-    Reduction, Result,
+    Reduction, Repoll, Result,
 };
 use futures::future::try_join_all;
+use socket2::SockRef;
 use tokio::{
     io::AsyncWriteExt,
     net::{
@@ -32,6 +34,9 @@ pub const REDUCE_PIECE: usize = 256 * 1024;
 const ALIGN: usize = 64;
 /// Header and payload are copied into one buffer and written at once up to this size.
 const COALESCE_MAX: usize = 16 * 1024;
+/// Reads of at most this many bytes ask the socket directly while the
+/// runtime has not seen it readable (see [`read_vectored`]).
+const DIRECT_READ_MAX: usize = 64 * 1024 + HEADER_LEN;
 /// Bound on each step of an abort.
 const ABORT_STEP: Duration = Duration::from_secs(1);
 /// How long a failed send looks for an abort notice the peer left behind.
@@ -127,20 +132,40 @@ fn split_stripes(buf: &[u8], n: usize) -> Vec<&[u8]> {
 }
 
 /// One `readv` into `bufs`, waiting for the socket to become readable.
+///
+/// On a repoll ([`Repoll`]: the caller polls again at once, without the
+/// runtime), a read of at most [`DIRECT_READ_MAX`] bytes asks the socket
+/// directly (one more `readv`) where the runtime has not seen it readable
+/// since a read found it empty: a small message is then seen as soon as it
+/// lands, not at the runtime's next look at the sockets. Larger reads wait
+/// for the runtime: polling the socket of a bulk transfer takes its lock
+/// from the kernel's delivery of the peer's segments.
 async fn read_vectored(rd: &OwnedReadHalf, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-    loop {
+    let again = |e: &io::Error| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+        )
+    };
+    let direct = bufs.iter().map(|b| b.len()).sum::<usize>() <= DIRECT_READ_MAX;
+    std::future::poll_fn(|cx| loop {
         match rd.try_read_vectored(bufs) {
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) =>
-            {
-                rd.readable().await?
-            }
-            r => return r,
+            Err(e) if again(&e) => {}
+            r => return Poll::Ready(r),
         }
-    }
+        if direct && Repoll::is(cx) {
+            match (&*SockRef::from(rd.as_ref())).read_vectored(bufs) {
+                Err(e) if again(&e) => {}
+                r => return Poll::Ready(r),
+            }
+        }
+        match rd.as_ref().poll_read_ready(cx) {
+            Poll::Ready(Ok(())) => {}
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending => return Poll::Pending,
+        }
+    })
+    .await
 }
 
 fn eof() -> io::Error {
@@ -569,6 +594,32 @@ mod tests {
             len,
             Fingerprint::new(CollectiveKind::SendRecv, DataType::U8, len),
         )
+    }
+
+    /// A small message that lands between polls is read on a repoll, which
+    /// asks the socket itself: the runtime never looks at the sockets here.
+    #[tokio::test]
+    async fn a_repoll_reads_a_small_message_without_the_runtime() {
+        use std::{io::Write, task::Context};
+        let (link, raw) = raw_pair().await;
+        let mut into = [0u8; 8];
+        let mut recv = link.recv(header(8), BufMut::from_host(&mut into));
+        let waker = futures::task::noop_waker();
+        let mut real = Context::from_waker(&waker);
+        assert!(recv.as_mut().poll(&mut real).is_pending());
+        let mut frame = header(8).encode().to_vec();
+        frame.extend_from_slice(&[7; 8]);
+        (&*SockRef::from(&raw)).write_all(&frame).unwrap();
+        let repoll = Repoll::waker();
+        let mut again = Context::from_waker(&repoll);
+        let mut polls = 0;
+        while recv.as_mut().poll(&mut again).is_pending() {
+            polls += 1;
+            assert!(polls < 2000, "no data after {polls} repolls");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(recv);
+        assert_eq!(into, [7; 8]);
     }
 
     /// A payload far above what the socket takes at once goes out in many
