@@ -90,6 +90,11 @@ pub trait GroupMemory: Send + Sync {
     /// Tells the other ranks that this rank gave up because of rank `blame`:
     /// those waiting for it fail at once, naming that rank.
     fn abort(&self, blame: usize);
+
+    /// The rank that rank `rank` gave up because of ([`GroupMemory::abort`]),
+    /// if it did: still readable after its process exited, so a rank that
+    /// sees it gone names the rank that failed first, store or no store.
+    fn blame_of(&self, rank: usize) -> Option<usize>;
 }
 
 /// The deadline of a call that may wait several times: its timeout counts

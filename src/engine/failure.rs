@@ -47,11 +47,33 @@ impl Shared {
     }
 
     /// Records the first failure of the communicator in the store, or, if
-    /// another rank recorded one and `e` only says that a link closed, blames
-    /// the recorded rank instead of the messenger. If the store is gone and
+    /// another rank recorded one (in the store, or as the lost peer's blame
+    /// in the group's shared memory) and `e` only says that a link closed,
+    /// blames the recorded rank instead of the messenger. If the store is gone and
     /// a rank's process served it, the error says so: that rank may be the
     /// one that failed first (or it gave up and exited since).
     async fn attribute(&self, e: Error) -> Error {
+        // A peer that gave up left who it blamed in the group's shared
+        // memory, readable after it exited and whether or not the store is.
+        if let (
+            Error::PeerLost {
+                rank,
+                peer,
+                call,
+                cause,
+            },
+            Some(group),
+        ) = (&e, &self.group)
+        {
+            if let Some(first) = group.blame_of(*peer).filter(|b| b != peer && b != rank) {
+                return Error::PeerLost {
+                    rank: *rank,
+                    peer: first,
+                    call: call.clone(),
+                    cause: format!("rank {peer} gave up because of it (seen here as: {cause})"),
+                };
+            }
+        }
         let notice = AbortNotice {
             failed_rank: e.failed_rank().unwrap_or(self.rank) as u32,
             reason: e.to_string(),

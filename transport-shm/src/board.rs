@@ -584,6 +584,14 @@ impl GroupMemory for Board {
             .store(blame as u32 + 1, Ordering::Relaxed);
         self.leave(ABORTED);
     }
+
+    fn blame_of(&self, rank: usize) -> Option<usize> {
+        if rank >= self.n || self.word32(rank, LEFT).load(Ordering::Acquire) != ABORTED {
+            return None;
+        }
+        let blame = self.word32(rank, BLAME).load(Ordering::Relaxed) as usize;
+        blame.checked_sub(1)
+    }
 }
 
 /// The round, length and header digest of this rank's last post: a read of
@@ -816,6 +824,18 @@ mod tests {
     }
 
     /// A change in any field of a header changes its digest.
+    #[test]
+    fn a_rank_that_gave_up_leaves_its_blame_readable() {
+        let (zero, one) = pair(Spin::default());
+        assert_eq!(zero.blame_of(1), None);
+        one.abort(5);
+        assert_eq!(zero.blame_of(1), Some(5));
+        assert_eq!(zero.blame_of(0), None);
+        assert_eq!(zero.blame_of(9), None);
+        drop(one);
+        assert_eq!(zero.blame_of(1), Some(5), "after the rank's board is gone");
+    }
+
     #[test]
     fn every_header_field_is_in_the_digest() {
         let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, 2);

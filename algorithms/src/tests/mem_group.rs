@@ -274,4 +274,9 @@ impl GroupMemory for MemGroup {
         self.left.store(true, Ordering::Release);
         self.notify();
     }
+
+    fn blame_of(&self, rank: usize) -> Option<usize> {
+        (self.shared.aborted.load(Ordering::Acquire) == rank + 1)
+            .then(|| self.shared.blamed.load(Ordering::Acquire))
+    }
 }
