@@ -199,7 +199,13 @@ fn a_dead_rank_is_named_by_every_survivor() {
                 assert_eq!(o.code, Some(7));
                 continue;
             }
-            assert_eq!(o.code, Some(0), "survivor {}: {}", o.rank, o.text());
+            assert_eq!(
+                o.code,
+                Some(0),
+                "{n} ranks over {transport}, {size} message, rank {victim} dies: survivor {}: {}",
+                o.rank,
+                o.text()
+            );
             // Rank 0 serves the store: when it dies, the store goes with it,
             // and a survivor whose first sign is another survivor closing its
             // link can only point at rank 0 through the lost store.
