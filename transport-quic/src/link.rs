@@ -501,7 +501,9 @@ impl Drop for QuicLink {
             rank = self.rank,
             peer = self.peer,
             mtu = stats.path.current_mtu,
+            sent_packets = stats.path.sent_packets,
             lost_packets = stats.path.lost_packets,
+            window = stats.path.cwnd,
             congestion_events = stats.path.congestion_events,
             rtt = ?stats.path.rtt,
             "QUIC link closing"
