@@ -77,13 +77,17 @@ fn work_handles_run_in_the_background_and_in_order() {
 
 #[test]
 fn wait_timeout_returns_while_a_peer_is_late_and_the_call_then_completes() {
-    let results = with_ranks(2, Options::default(), |comm| {
+    // Rank 1 calls only once rank 0 has looked.
+    let looked = Arc::new(std::sync::Barrier::new(2));
+    let results = with_ranks(2, Options::default(), move |comm| {
         if comm.rank() == 1 {
-            thread::sleep(Duration::from_millis(300));
+            looked.wait();
         }
         let mut w = comm.iallreduce(vec![1u8; 8], ReduceOp::Sum);
         let early = if comm.rank() == 0 {
-            w.wait_timeout(Duration::from_millis(50)).is_none()
+            let early = w.wait_timeout(Duration::from_millis(50)).is_none();
+            looked.wait();
+            early
         } else {
             true
         };
@@ -100,11 +104,9 @@ fn wait_timeout_returns_while_a_peer_is_late_and_the_call_then_completes() {
 
 #[test]
 fn a_missing_rank_is_a_timeout_not_a_hang() {
-    let options = Options {
-        timeout: Duration::from_millis(500),
-        ..Options::default()
-    };
-    let results = with_ranks(2, options, |comm| {
+    // Set-up keeps the default deadline: only the call has 500 ms.
+    let results = with_ranks(2, Options::default(), |comm| {
+        comm.set_timeout(Duration::from_millis(500));
         let start = Instant::now();
         // Only rank 0 calls; rank 1 goes straight to its end.
         let r = if comm.rank() == 0 {

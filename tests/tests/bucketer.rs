@@ -267,18 +267,23 @@ fn zero_copy_views_mixed_with_owned_vecs() {
 
 #[test]
 fn a_view_of_a_bucket_being_reduced_is_an_error() {
-    with_ranks(2, |comm| {
+    // Rank 1 joins only once rank 0 has looked.
+    let looked = Arc::new(std::sync::Barrier::new(2));
+    with_ranks(2, move |comm| {
         let mut b = Bucketer::new(&comm, ReduceOp::Sum);
         let t = b.register::<u32>(16).unwrap();
         if comm.rank() == 1 {
-            thread::sleep(Duration::from_millis(300));
+            looked.wait();
         }
         b.view_mut::<u32>(t).unwrap().fill(1);
         b.mark_ready(t).unwrap();
         let work = b.finish();
         if comm.rank() == 0 {
             // Rank 1 has not joined yet, so the bucket cannot be back.
-            assert!(invalid(b.view::<u32>(t)).contains("still being reduced"));
+            let seen = b.view::<u32>(t).map(<[u32]>::to_vec);
+            looked.wait();
+            let seen = invalid(seen);
+            assert!(seen.contains("still being reduced"), "{seen}");
         }
         work.wait().unwrap();
         assert_eq!(b.view::<u32>(t).unwrap(), &[2u32; 16][..]);

@@ -14,19 +14,29 @@ use ccl_tests::{launch_each, netns::TwoHosts};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
-/// Cuts the link 1.5 s into a job of repeated allreduces over `transport`
-/// and checks how both ranks fail.
+/// Cuts the link of a job of repeated allreduces over `transport` 300 ms
+/// after the first one succeeded (however long set-up took) and checks how
+/// both ranks fail.
 fn cut_mid_call(transport: &str, tag: &str) {
     let hosts = TwoHosts::new(tag);
     let (ns, master) = (hosts.ns.clone(), hosts.addr[0].clone());
+    let dir = std::env::temp_dir().join(format!("ccl-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory for the ready file");
     let launched = Instant::now();
     let cut_at = thread::scope(|s| {
         let cutter = s.spawn(|| {
-            thread::sleep(Duration::from_millis(1500));
+            let until = Instant::now() + Duration::from_secs(60);
+            while !dir.join("ready").exists() && Instant::now() < until {
+                thread::sleep(Duration::from_millis(5));
+            }
+            thread::sleep(Duration::from_millis(300));
             hosts.cut(0);
             Instant::now()
         });
-        let script = format!("exec ip netns exec \"$CCL_TEST_NS\" {WORKER} repeat");
+        let script = format!(
+            "exec ip netns exec \"$CCL_TEST_NS\" {WORKER} repeat {}",
+            dir.display()
+        );
         let out = launch_each(
             "sh",
             &["-c", &script],
@@ -45,6 +55,7 @@ fn cut_mid_call(transport: &str, tag: &str) {
         (out, cut_at)
     });
     let (out, cut_at) = cut_at;
+    let _ = std::fs::remove_dir_all(&dir);
     for o in &out {
         assert_eq!(o.code, Some(0), "rank {}:\n{}", o.rank, o.text());
         assert!(

@@ -613,7 +613,9 @@ fn main() {
         }
         "repeat" => {
             // Allreduces until one fails (a link is cut from outside), then
-            // prints the error.
+            // prints the error. With a DIR, rank 0 writes DIR/ready once the
+            // first call succeeded, so that the cut comes after set-up.
+            let ready = args.get(2).map(|d| std::path::Path::new(d).join("ready"));
             let mut v = vec![1.0f32; 256 << 10];
             loop {
                 if let Err(e) = comm.allreduce(&mut v, ReduceOp::Sum) {
@@ -623,6 +625,9 @@ fn main() {
                         started.elapsed()
                     );
                     break;
+                }
+                if let Some(ready) = ready.as_ref().filter(|r| comm.rank() == 0 && !r.exists()) {
+                    std::fs::write(ready, b"").expect("DIR/ready");
                 }
                 v.fill(1.0);
                 if started.elapsed() > std::time::Duration::from_secs(120) {
