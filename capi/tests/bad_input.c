@@ -32,7 +32,14 @@ static void expect(cclResult_t got, cclResult_t want, cclComm_t comm, const char
 
 static cclUniqueId id2;
 static cclComm_t pair[2];
-static volatile int entered;
+/* Set by the main thread just before rank 0's allreduce, and by the
+ * intruder once it has made its call: rank 1 joins only then, so rank 0's
+ * call cannot be over before the intruder tried (valgrind starves threads). */
+static int entered, intruded;
+
+static void await_flag(int *flag) {
+  while (!__atomic_load_n(flag, __ATOMIC_ACQUIRE)) sleep_ms(1);
+}
 
 static void *rank_thread(void *arg) {
   int r = (int)(intptr_t)arg;
@@ -42,7 +49,7 @@ static void *rank_thread(void *arg) {
 
 static void *late_rank_one(void *arg) {
   (void)arg;
-  sleep_ms(600);
+  await_flag(&intruded);
   float x = 1;
   expect(cclAllReduce(&x, &x, 1, cclFloat32, cclSum, pair[1], NULL), cclSuccess, pair[1],
          "rank 1's allreduce, late");
@@ -51,9 +58,12 @@ static void *late_rank_one(void *arg) {
 
 static void *intruder(void *arg) {
   (void)arg;
-  sleep_ms(200);
+  await_flag(&entered);
+  /* Time for the main thread to get from the flag into the call. */
+  sleep_ms(500);
   expect(cclBarrier(pair[0], NULL), cclInvalidArgument, pair[0],
          "a call while another thread is in one");
+  __atomic_store_n(&intruded, 1, __ATOMIC_RELEASE);
   return NULL;
 }
 
@@ -165,6 +175,7 @@ int main(void) {
   pthread_create(&late, NULL, late_rank_one, NULL);
   pthread_create(&other, NULL, intruder, NULL);
   float x = 1;
+  __atomic_store_n(&entered, 1, __ATOMIC_RELEASE);
   expect(cclAllReduce(&x, &x, 1, cclFloat32, cclSum, pair[0], NULL), cclSuccess, pair[0],
          "rank 0's allreduce");
   pthread_join(late, NULL);
