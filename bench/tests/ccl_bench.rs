@@ -535,12 +535,9 @@ fn a_dying_rank_is_named_and_the_rest_stopped() {
 /// process is one rank; when one dies the others fail promptly, naming it.
 #[test]
 fn under_a_launcher_each_process_is_a_rank() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let launch = |mark: &str, die: Option<&str>, extra: &[&str]| {
+        // Below the ephemeral range, and fresh for each job (see `ccl::free_port`).
+        let port = ccl::free_port().unwrap();
         let children: Vec<_> = (0..3)
             .map(|rank| {
                 let mut cmd = command(mark);

@@ -3,6 +3,7 @@ process per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT set, every run bounded in time."""
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -17,9 +18,19 @@ REPO = HERE.parent.parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now, picked at random below Linux's ephemeral
+    range (32768-60999), as ccl's own free_port does: a port from binding
+    port 0 lies in that range, where the kernel may hand it to an outgoing
+    connection (a rank retrying its connect) before the store binds it."""
+    for _ in range(1000):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32000")
 
 
 @dataclass
