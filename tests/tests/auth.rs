@@ -140,9 +140,15 @@ fn count(o: &RankOutput, what: &str) -> usize {
 fn strangers_at_the_store_and_link_ports_are_refused_and_the_job_goes_on() {
     let secret = fresh_secret();
     let port = ccl::free_port().unwrap();
-    // Rank 2 starts late: meanwhile ranks 0 and 1 sit in set-up with their
-    // link ports open, and the strangers come.
-    let script = format!(r#"[ "$RANK" = 2 ] && sleep 6; exec {WORKER} collectives"#);
+    // Rank 2 starts once the test has created `go` (or after a minute):
+    // meanwhile ranks 0 and 1 sit in set-up with their link ports open, and
+    // the strangers come.
+    let go = std::env::temp_dir().join(format!("ccl-strangers-go-{}", std::process::id()));
+    let _ = std::fs::remove_file(&go);
+    let script = format!(
+        r#"if [ "$RANK" = 2 ]; then i=0; while [ ! -e '{}' ] && [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done; fi; exec {WORKER} collectives"#,
+        go.display()
+    );
     let env = {
         let secret = secret.clone();
         move |_rank: usize| {
@@ -174,7 +180,6 @@ fn strangers_at_the_store_and_link_ports_are_refused_and_the_job_goes_on() {
     };
     let (link0, link1) = (link(0), link(1));
     let store_addr: SocketAddr = ([127, 0, 0, 1], port).into();
-    let started = Instant::now();
     // Silent strangers hold connections open all along.
     let silent: Vec<TcpStream> = [store_addr, link0, link1]
         .iter()
@@ -182,18 +187,14 @@ fn strangers_at_the_store_and_link_ports_are_refused_and_the_job_goes_on() {
         .collect();
     let at_store = strangers(store_addr);
     let at_links = strangers(link0) + strangers(link1);
-    // Rank 2 must still be asleep, or the link ports would be closed.
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
     // A stranger client library without the secret gets a clear error.
     let e = TcpStore::connect("127.0.0.1", port, Duration::from_secs(5)).unwrap_err();
     assert!(e.to_string().contains("requires a job secret"), "{e}");
     drop(store);
+    std::fs::write(&go, b"").unwrap();
 
     let out = job.join().unwrap();
+    let _ = std::fs::remove_file(&go);
     drop(silent);
     assert_all_ok(&out, "collectives with strangers at the doors");
     for o in &out {
