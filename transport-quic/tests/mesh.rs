@@ -221,7 +221,7 @@ fn a_stranger_is_refused_and_the_job_goes_on() {
                 // A QUIC client that knows rank 0's fingerprint, with a
                 // certificate of its own: refused by rank 0's verifier.
                 let me = Identity::generate().unwrap();
-                let provider = Arc::new(rustls::crypto::ring::default_provider());
+                let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
                 let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
                     .with_protocol_versions(&[&rustls::version::TLS13])
                     .unwrap()
