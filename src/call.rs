@@ -151,7 +151,6 @@ impl Communicator {
         let inner = &self.inner;
         let choice = inner.selection.choice(coll);
         if choice.algorithm.on_group_memory() {
-            let _order = inner.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
             let call = || self.next_call(coll, choice);
             if let Some(result) =
                 inner
@@ -348,12 +347,21 @@ impl Communicator {
         Ok(Prepared { io, scaled })
     }
 
-    /// Takes the call's sequence number (under `submit_lock`) and logs the choice.
+    /// Takes the call's sequence number and logs the choice (called by the
+    /// engine under its queue lock, so that numbers follow queue order).
     pub(crate) fn next_call(&self, coll: &Collective, choice: Choice) -> Call {
         let inner = &self.inner;
         let call = Call {
             comm: inner.comm,
-            seq: inner.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            // Only the engine's queue lock holder numbers calls: a load and a
+            // store, where a read-modify-write would cost a locked instruction.
+            seq: {
+                let seq = inner.seq.load(std::sync::atomic::Ordering::Relaxed);
+                inner
+                    .seq
+                    .store(seq + 1, std::sync::atomic::Ordering::Relaxed);
+                seq
+            },
             rank: inner.rank,
             world_size: inner.world_size,
             coll: *coll,
@@ -379,20 +387,13 @@ impl Communicator {
             Ok(p) => p,
             Err(e) => return done(Err(e)),
         };
-        // Sequence numbers must follow execution order: keep the lock while
-        // the job is queued (or, inline, runs).
-        let _order = self
-            .inner
-            .submit_lock
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let call = self.next_call(coll, choice);
+        let deadline = self.timeout();
         self.inner.engine.submit(
-            Job {
+            || Job {
                 plan,
-                call,
+                call: self.next_call(coll, choice),
                 io,
-                deadline: self.timeout(),
+                deadline,
                 lane: None,
                 before,
                 done,
@@ -465,26 +466,26 @@ impl Communicator {
             IoBuffers::from_raw(std::ptr::NonNull::dangling().as_ptr(), 0, ptr, len, kernels)
         };
         let schedule = std::sync::Arc::new(ccl_algorithms::transfer(peer, coll.count, send));
-        let _order = inner.submit_lock.lock().unwrap_or_else(|p| p.into_inner());
-        let seq = {
+        let deadline = self.timeout();
+        // Numbered under the engine's queue lock, in queue order.
+        let next_call = || {
             let mut seqs = inner.p2p_seq.lock().unwrap_or_else(|p| p.into_inner());
-            let s = seqs.entry((peer, send)).or_insert(0);
-            *s += 1;
-            *s
-        };
-        let call = Call {
-            comm: inner.comm,
-            seq,
-            rank: inner.rank,
-            world_size: inner.world_size,
-            coll,
+            let seq = seqs.entry((peer, send)).or_insert(0);
+            *seq += 1;
+            Call {
+                comm: inner.comm,
+                seq: *seq,
+                rank: inner.rank,
+                world_size: inner.world_size,
+                coll,
+            }
         };
         inner.engine.submit(
-            Job {
+            || Job {
                 plan: Plan::Schedule(schedule),
-                call,
+                call: next_call(),
                 io,
-                deadline: self.timeout(),
+                deadline,
                 lane: Some((peer, send)),
                 before,
                 done,

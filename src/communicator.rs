@@ -47,9 +47,9 @@ pub(crate) struct Inner {
     pub(crate) comm: u64,
     pub(crate) engine: Engine,
     pub(crate) selection: Selection,
-    /// Collective sequence number; taken under `submit_lock` so that numbers follow queue order.
+    /// Collective sequence number; taken under the engine's queue lock, so
+    /// that numbers follow queue order.
     pub(crate) seq: AtomicU64,
-    pub(crate) submit_lock: Mutex<()>,
     /// Point-to-point sequence numbers per (peer, this rank sends).
     pub(crate) p2p_seq: Mutex<HashMap<(usize, bool), u64>>,
     splits: AtomicU64,
@@ -241,7 +241,6 @@ impl Communicator {
                 engine,
                 selection,
                 seq: AtomicU64::new(0),
-                submit_lock: Mutex::new(()),
                 p2p_seq: Mutex::new(HashMap::new()),
                 splits: AtomicU64::new(0),
                 used: connected.used,

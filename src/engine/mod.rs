@@ -369,21 +369,21 @@ impl Engine {
         Ok(Engine { shared, runtime })
     }
 
-    /// Runs or queues a job. With `inline`, a collective that finds nothing
-    /// queued runs on this thread before `submit` returns.
-    pub fn submit(&self, job: Job, inline: bool) {
-        if self.shared.is_broken.load(Ordering::Acquire) {
-            return self.shared.fail_broken(job);
-        }
+    /// Runs or queues the job `make` makes. With `inline`, a collective that
+    /// finds nothing queued runs on this thread before `submit` returns.
+    /// `make` runs under the queue lock, so that the sequence numbers it
+    /// takes follow the order in which jobs queue and run.
+    pub fn submit(&self, make: impl FnOnce() -> Job, inline: bool) {
         // Driving the runtime from inside another runtime would panic.
-        let inline = inline && job.lane.is_none() && tokio::runtime::Handle::try_current().is_err();
+        let inline = inline && tokio::runtime::Handle::try_current().is_err();
         let job = {
             let mut q = lock(&self.shared.queue);
-            if q.closed {
+            let job = make();
+            if q.closed || self.shared.is_broken.load(Ordering::Acquire) {
                 drop(q);
                 return self.shared.fail_broken(job);
             }
-            if inline && !q.driving && q.jobs.is_empty() {
+            if inline && job.lane.is_none() && !q.driving && q.jobs.is_empty() {
                 q.driving = true;
                 Some(job)
             } else {
@@ -415,6 +415,13 @@ impl Engine {
     /// running, without a job, a `Work` or the runtime (unless it fails).
     /// `call` makes the call, taking its sequence number, only then. `None`:
     /// nothing was taken or run, and the call must go through [`Engine::submit`].
+    ///
+    /// The queue stays locked while the call runs (one lock for the call,
+    /// which matters at a fraction of a microsecond per call): meanwhile
+    /// other threads' calls wait to queue, as they would wait for this one
+    /// to run, and the progress thread, with nothing queued, sleeps. An
+    /// abort from another thread waits until the board sees it and the
+    /// call fails.
     pub fn run_group_now(
         &self,
         algorithm: Algorithm,
@@ -427,24 +434,26 @@ impl Engine {
         if tokio::runtime::Handle::try_current().is_ok() {
             return None;
         }
-        {
-            let mut q = lock(&self.shared.queue);
-            if q.closed || q.driving || !q.jobs.is_empty() {
-                return None;
-            }
-            q.driving = true;
+        let mut q = lock(&self.shared.queue);
+        if q.closed || q.driving || !q.jobs.is_empty() {
+            return None;
         }
         let call = call();
-        let result = if self.shared.is_broken.load(Ordering::Acquire) {
-            Err(self.shared.broken_error())
-        } else {
-            match group::run(algorithm, &**mem, &call, io, timeout) {
-                Ok(()) => Ok(()),
-                Err(e) => self.runtime.block_on(self.shared.settle(Err(e))),
+        if self.shared.is_broken.load(Ordering::Acquire) {
+            drop(q);
+            return Some(Err(self.shared.broken_error()));
+        }
+        match group::run(algorithm, &**mem, &call, io, timeout) {
+            Ok(()) => Some(Ok(())),
+            Err(e) => {
+                // Settling drives the runtime: as the driver, unlocked.
+                q.driving = true;
+                drop(q);
+                let result = self.runtime.block_on(self.shared.settle(Err(e)));
+                self.stop_driving();
+                Some(result)
             }
-        };
-        self.stop_driving();
-        Some(result)
+        }
     }
 
     /// Gives up driving after an inline job; wakes the progress thread if
