@@ -71,7 +71,7 @@ struct DeliveryRate {
 impl DeliveryRate {
     fn on_ack(&mut self, now: Instant, bytes: u64, app_limited: bool, min_rtt_ns: u64) {
         self.min_rtt_ns = min_rtt_ns;
-        let rtt_ns = min_rtt_ns.max(RTT_FLOOR.as_nanos() as u64);
+        let rtt_ns = self.rtt_ns();
         if app_limited || min_rtt_ns == 0 {
             // An idle sender says nothing about the path's rate.
             self.interval = None;
@@ -95,14 +95,19 @@ impl DeliveryRate {
         }
     }
 
+    /// The round trip both the interval and the cap use: the smallest seen,
+    /// at least [`RTT_FLOOR`].
+    fn rtt_ns(&self) -> u64 {
+        self.min_rtt_ns.max(RTT_FLOOR.as_nanos() as u64)
+    }
+
     /// Twice the bandwidth-delay product, once a rate was measured.
     fn cap(&self) -> Option<u64> {
         let best = *self.rates.iter().max()?;
         if best == 0 {
             return None;
         }
-        let rtt = self.min_rtt_ns.max(RTT_FLOOR.as_nanos() as u64);
-        let bdp = (best as u128 * rtt as u128 / 1_000_000_000) as u64;
+        let bdp = (best as u128 * self.rtt_ns() as u128 / 1_000_000_000) as u64;
         Some(GAIN * bdp)
     }
 }
