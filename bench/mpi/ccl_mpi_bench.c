@@ -9,11 +9,13 @@
  * Sizes are bytes (ccl-bench passes them already parsed). Conventions match
  * ccl-bench: size is the whole buffer (n x per-rank part for allgather,
  * reduce-scatter, alltoall, gather, scatter), rounded down to whole elements
- * per rank (at least one); time is the mean over iterations of the slowest
- * rank's time for that iteration; GB/s are 1e9 bytes per second; busbw uses
- * nccl-tests' factors. Data are not verified (#wrong is N/A). -i: in-place
- * forms; -v: after each row, a comment line with the median, fastest and
- * slowest iteration.
+ * per rank (at least one); time is the slowest rank's time for the whole
+ * loop of iterations (from a barrier to its last call's return, as
+ * nccl-tests times it) over the iterations; GB/s are 1e9 bytes per second;
+ * busbw uses nccl-tests' factors. Data are not verified (#wrong is N/A).
+ * -i: in-place forms; -v: after each row, a comment line with the median,
+ * fastest and slowest iteration (each iteration the slowest rank's time from
+ * the end of its previous one).
  *
  * Build: mpicc -O2 -o ccl_mpi_bench ccl_mpi_bench.c  (or bench/mpi/build.sh)
  */
@@ -260,16 +262,17 @@ int main(int argc, char **argv) {
         for (int w = 0; w < warmup; w++)
             run_once(c, ip, op_, count, dt->type, op->op, root, inplace);
         MPI_Barrier(MPI_COMM_WORLD);
+        double start = MPI_Wtime(), last = start;
         for (int it = 0; it < iters; it++) {
-            double t0 = MPI_Wtime();
             run_once(c, ip, op_, count, dt->type, op->op, root, inplace);
-            times[it] = MPI_Wtime() - t0;
+            double now = MPI_Wtime();
+            times[it] = now - last;
+            last = now;
         }
+        double mine = (last - start) / iters, t = 0;
         MPI_Reduce(times, maxes, iters, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+        MPI_Reduce(&mine, &t, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
         if (rank == 0) {
-            double sum = 0;
-            for (int it = 0; it < iters; it++) sum += maxes[it];
-            double t = sum / iters;
             double algbw = t > 0 ? (double)bytes / 1e9 / t : 0;
             double busbw = algbw * bus_factor(c);
             bw_sum += busbw;

@@ -4,9 +4,9 @@ Times torch.distributed's collectives on the gloo backend over the same sizes
 as ccl-bench and prints the same nccl-tests-style table as
 bench/mpi/ccl_mpi_bench.c, with the same flags and conventions (size = whole
 buffer, n x per-rank part for allgather, reduce-scatter and alltoall, rounded
-down to whole elements per rank, at least one; time = mean over iterations of
-the slowest rank's time for that iteration; GB/s = 1e9 B/s; nccl-tests' busbw
-factors; -v adds the median, fastest and slowest iteration):
+down to whole elements per rank, at least one; time = the slowest rank's time
+for the whole loop of iterations, over the iterations; GB/s = 1e9 B/s;
+nccl-tests' busbw factors; -v adds the median, fastest and slowest iteration):
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
         python ccl_gloo_bench.py allreduce -b 8 -e 268435456 -f 2 -n 20 -w 5 -d f32 -o sum -v
@@ -145,14 +145,17 @@ def main() -> int:
         for _ in range(a.w):
             run_once(coll, inp, out, op, a.r)
         dist.barrier()
-        times = torch.zeros(a.n, dtype=torch.float64)
+        times = [0.0] * a.n
+        start = last = time.perf_counter()
         for it in range(a.n):
-            t0 = time.perf_counter()
             run_once(coll, inp, out, op, a.r)
-            times[it] = time.perf_counter() - t0
-        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            now = time.perf_counter()
+            times[it] = now - last
+            last = now
+        slowest = torch.tensor(times + [(last - start) / a.n], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if rank == 0:
-            t = times.mean().item()
+            t = slowest[-1].item()
             algbw = nbytes / 1e9 / t if t > 0 else 0.0
             busbw = algbw * bus_factor(coll, n)
             bw_sum += busbw
@@ -163,7 +166,7 @@ def main() -> int:
                 f"{a.r if coll in HAS_ROOT else -1:>5} {'gloo':>10} {t * 1e6:>12.2f} {algbw:>8.3f} {busbw:>8.3f} {'N/A':>7}"
             )
             if a.v:
-                v = times.tolist()
+                v = slowest[:-1].tolist()
                 print(
                     f"#  per iteration (slowest rank): median {statistics.median(v) * 1e6:.2f} us, "
                     f"min {min(v) * 1e6:.2f} us, max {max(v) * 1e6:.2f} us"

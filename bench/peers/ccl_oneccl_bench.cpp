@@ -5,9 +5,9 @@
  * same nccl-tests-style table as bench/mpi/ccl_mpi_bench.c (same flags, same
  * conventions: size = whole buffer, n x per-rank part for allgather,
  * reduce-scatter and alltoall, rounded down to whole elements per rank, at
- * least one; time = mean over iterations of the slowest rank's time for that
- * iteration; GB/s = 1e9 B/s; nccl-tests' busbw factors; -v adds the median,
- * fastest and slowest iteration):
+ * least one; time = the slowest rank's time for the whole loop of iterations,
+ * over the iterations; GB/s = 1e9 B/s; nccl-tests' busbw factors; -v adds the
+ * median, fastest and slowest iteration):
  *
  *   ccl_oneccl_bench allreduce -b 8 -e 268435456 -f 2 -n 20 -w 5 -d f32 -o sum [-r ROOT] [-i] [-v]
  *
@@ -224,17 +224,18 @@ int main(int argc, char **argv) {
         for (int w = 0; w < warmup; w++)
             run_once(c, in.data(), out.data(), count, dt->type, o->red, root, inplace, comm);
         ccl::barrier(comm).wait();
+        auto start = std::chrono::steady_clock::now(), last = start;
         for (int it = 0; it < iters; it++) {
-            auto t0 = std::chrono::steady_clock::now();
             run_once(c, in.data(), out.data(), count, dt->type, o->red, root, inplace, comm);
-            times[(size_t)it] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            auto now = std::chrono::steady_clock::now();
+            times[(size_t)it] = std::chrono::duration<double>(now - last).count();
+            last = now;
         }
+        double mine = std::chrono::duration<double>(last - start).count() / iters, t = 0;
         ccl::allreduce(times.data(), maxes.data(), (size_t)iters, ccl::datatype::float64, ccl::reduction::max, comm)
             .wait();
+        ccl::allreduce(&mine, &t, 1, ccl::datatype::float64, ccl::reduction::max, comm).wait();
         if (rank_ == 0) {
-            double sum = 0;
-            for (double m : maxes) sum += m;
-            double t = sum / iters;
             double algbw = t > 0 ? (double)bytes / 1e9 / t : 0;
             double busbw = algbw * bus_factor(c);
             bw_sum += busbw;

@@ -31,7 +31,7 @@ pub struct PeerResult {
     pub peer: String,
     #[serde(flatten)]
     pub row: PeerRow,
-    /// Every round's time (mean over iterations of the slowest rank), in run order.
+    /// Every round's time ([`report::TIME_DEFINITION`]), in run order.
     pub round_times_us: Vec<f64>,
 }
 
@@ -374,7 +374,7 @@ pub fn main(a: PeersArgs) -> i32 {
         println!("# {}: {}", p.kind.name(), p.launch);
     }
     println!(
-        "# each size: every library in a fresh job, in an order rotated per round; time = mean over iterations of the slowest rank ({} of {} rounds)",
+        "# each size: every library in a fresh job, in an order rotated per round; time = the slowest rank's timed loop / iterations ({} of {} rounds)",
         if a.rounds > 1 { "the median" } else { "one" },
         a.rounds
     );

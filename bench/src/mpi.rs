@@ -305,7 +305,7 @@ pub fn compare(a: CompareArgs) -> i32 {
         peers::ompi_args(n, plan.bind, OmpiNet::Tcp).join(" ")
     );
     println!(
-        "# each size: a fresh ccl run, then OpenMPI shm, then OpenMPI tcp; time = mean over iterations of the slowest rank"
+        "# each size: a fresh ccl run, then OpenMPI shm, then OpenMPI tcp; time = the slowest rank's timed loop / iterations"
     );
     println!(
         "# ccl/shm, ccl/tcp = OpenMPI time / ccl time (= ccl busbw / OpenMPI busbw): above 1, ccl is faster"

@@ -9,7 +9,7 @@ use crate::size::format_size;
 
 /// How the time column is defined (also written into the JSON).
 pub const TIME_DEFINITION: &str =
-    "mean over the timed iterations of the slowest rank's time for that iteration";
+    "the slowest rank's time for the whole loop of timed iterations (from a barrier to its last call's return, as nccl-tests times it), over the iterations";
 
 /// One size (and algorithm) of a run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -28,14 +28,20 @@ pub struct Row {
     pub algo: String,
     /// See [`TIME_DEFINITION`].
     pub time_us: f64,
-    /// Rank 0's own mean (nccl-tests' definition).
+    /// Rank 0's own loop time over the iterations (nccl-tests averages
+    /// this over the ranks).
     pub time_us_rank0: f64,
-    /// Median iteration (the slowest rank's time): robust to a noisy machine.
+    /// Median iteration (the slowest rank's time from the end of its previous
+    /// call to the end of this one): robust to a noisy machine.
     #[serde(default)]
     pub median_time_us: f64,
     /// Fastest and slowest iteration (each the slowest rank's time).
     pub min_time_us: f64,
     pub max_time_us: f64,
+    /// The mean over iterations of the slowest rank's time for that
+    /// iteration: `time_us` until 2026-11-27, kept to compare the two.
+    #[serde(default)]
+    pub iteration_mean_us: f64,
     /// Bytes per second (1e9) of `size_bytes` over `time_us`.
     pub algbw_gbps: f64,
     pub busbw_gbps: f64,
@@ -226,7 +232,7 @@ pub fn to_csv(report: &Report) -> String {
     let c = &report.config;
     let mut s = String::from(
         "collective,ranks,hosts,launcher,transport,dtype,op,root,algo_requested,algo,inplace,check,\
-         iters,warmup,size_bytes,count,count_per_rank,time_us,time_us_rank0,median_time_us,min_time_us,max_time_us,\
+         iters,warmup,size_bytes,count,count_per_rank,time_us,time_us_rank0,median_time_us,min_time_us,max_time_us,iteration_mean_us,\
          algbw_gbps,busbw_gbps,wrong,setup_s,ccl_version,ccl_bench_version,rustc,os\n",
     );
     for r in &report.rows {
@@ -253,6 +259,7 @@ pub fn to_csv(report: &Report) -> String {
             format!("{:.3}", r.median_time_us),
             format!("{:.3}", r.min_time_us),
             format!("{:.3}", r.max_time_us),
+            format!("{:.3}", r.iteration_mean_us),
             format!("{:.6}", r.algbw_gbps),
             format!("{:.6}", r.busbw_gbps),
             r.wrong.map_or_else(String::new, |w| w.to_string()),

@@ -140,7 +140,10 @@ fn run_once<T: Val>(
 struct Measured {
     /// Per iteration, the slowest rank's time (rank 0 only).
     slowest: Vec<f64>,
-    /// This rank's mean.
+    /// The slowest rank's time for the whole loop, over the iterations
+    /// (rank 0 only; see [`report::TIME_DEFINITION`]).
+    loop_time: f64,
+    /// This rank's own time for the loop, over the iterations.
     mine: f64,
     /// Wrong elements over all ranks (rank 0 only; with --check).
     wrong: u64,
@@ -185,13 +188,18 @@ fn measure<T: Val>(
         call(comm, plan, case, device)?;
     }
     comm.barrier()?;
+    // Timed as nccl-tests does: the whole loop, from the barrier to the last
+    // call's return. One clock read after each call also gives every
+    // iteration its time (from the end of the previous one).
     let mut times = vec![0f64; plan.iters];
     let mut wrong = 0u64;
+    let mut last = Instant::now();
     for t in times.iter_mut() {
         if plan.check {
             prepare(case, device)?;
             // Checking takes each rank a different time: start together.
             comm.barrier()?;
+            last = Instant::now();
         }
         if die {
             eprintln!(
@@ -200,9 +208,10 @@ fn measure<T: Val>(
             );
             std::process::exit(3);
         }
-        let start = Instant::now();
         call(comm, plan, case, device)?;
-        *t = start.elapsed().as_secs_f64();
+        let now = Instant::now();
+        *t = (now - last).as_secs_f64();
+        last = now;
         if plan.check {
             if let Some((gpu, dev)) = device {
                 gpu.download(dev, case)?;
@@ -210,14 +219,18 @@ fn measure<T: Val>(
             wrong += case.wrong();
         }
     }
+    let mine = times.iter().sum::<f64>() / plan.iters as f64;
     let root = comm.rank() == 0;
     let mut slowest = vec![0f64; if root { plan.iters } else { 0 }];
     comm.reduce_into(&times, &mut slowest, ReduceOp::Max, 0)?;
+    let mut loop_time = [0f64; 1];
+    comm.reduce_into(&[mine], &mut loop_time, ReduceOp::Max, 0)?;
     let mut total = [0u64];
     comm.reduce_into(&[wrong], &mut total, ReduceOp::Sum, 0)?;
     Ok(Measured {
         slowest,
-        mine: times.iter().sum::<f64>() / plan.iters as f64,
+        loop_time: loop_time[0],
+        mine,
         wrong: total[0],
     })
 }
@@ -292,7 +305,7 @@ fn header(
         _ => "1",
     };
     s += &format!(
-        "# time = mean over iterations of the slowest rank; algbw = size / time (GB/s = 1e9 B/s); \
+        "# time = the slowest rank's timed loop / iterations (as nccl-tests times); algbw = size / time (GB/s = 1e9 B/s); \
          busbw = algbw x {factor}\n"
     );
     s += &format!(
@@ -466,7 +479,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             if !is_root {
                 continue;
             }
-            let time = m.slowest.iter().sum::<f64>() / plan.iters as f64;
+            let time = m.loop_time;
             let algbw = if time > 0.0 {
                 bytes as f64 / 1e9 / time
             } else {
@@ -485,6 +498,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
                 median_time_us: median(&m.slowest) * 1e6,
                 min_time_us: m.slowest.iter().copied().fold(f64::INFINITY, f64::min) * 1e6,
                 max_time_us: m.slowest.iter().copied().fold(0.0, f64::max) * 1e6,
+                iteration_mean_us: m.slowest.iter().sum::<f64>() / plan.iters as f64 * 1e6,
                 algbw_gbps: algbw,
                 busbw_gbps: algbw * bus,
                 wrong: plan.check.then_some(m.wrong),

@@ -422,9 +422,17 @@ fn reports_are_written_and_well_formed() {
     let algos: Vec<&str> = rows.iter().map(|r| r["algo"].as_str().unwrap()).collect();
     assert_eq!(algos[..every.len()], every[..]);
     for r in rows {
-        assert!(r["time_us"].as_f64().unwrap() > 0.0);
-        assert!(r["busbw_gbps"].as_f64().unwrap() > 0.0);
+        let t = |k: &str| r[k].as_f64().unwrap();
+        assert!(t("time_us") > 0.0);
+        assert!(t("busbw_gbps") > 0.0);
         assert_eq!(r["wrong"], Value::Null);
+        // The slowest rank's loop is no longer than the sum of each
+        // iteration's slowest rank, and no rank's loop is longer than it
+        // (a thousandth of a microsecond of rounding allowed).
+        assert!(t("time_us") <= t("iteration_mean_us") + 1e-3, "{r}");
+        assert!(t("time_us_rank0") <= t("time_us") + 1e-3, "{r}");
+        assert!(t("min_time_us") <= t("median_time_us"), "{r}");
+        assert!(t("median_time_us") <= t("max_time_us"), "{r}");
     }
     let c = &v["config"];
     assert_eq!(c["ranks"], 2);
