@@ -11,7 +11,7 @@ use std::time::Duration;
 use ccl_algorithms::{execute, Algorithm, IoBuffers, Layout};
 use ccl_core::{loopback::mesh, AlignedBuf, Call, Collective, CollectiveKind, DataType};
 use criterion::{criterion_group, criterion_main, Criterion};
-use futures::future::join;
+use futures::future::join_all;
 
 fn executor(c: &mut Criterion) {
     let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, 2);
@@ -44,34 +44,30 @@ fn executor(c: &mut Criterion) {
         group.bench_function(name, |b| {
             b.iter(|| {
                 seq += 1;
-                let [out0, out1] = &mut outputs;
-                let call = |rank| Call {
+                let calls = [0, 1].map(|rank| Call {
                     comm: 1,
                     seq,
                     rank,
                     world_size: 2,
                     coll,
-                };
-                let (c0, c1) = (call(0), call(1));
-                let (mut scratch0, mut scratch1) = (None, None);
-                let run0 = execute(
-                    &schedules[0],
-                    IoBuffers::host(inputs[0].as_slice(), out0.as_mut_slice()),
-                    &links[0],
-                    &c0,
-                    &mut scratch0,
-                    deadline,
+                });
+                let mut scratch = [None, None];
+                let runs = outputs.iter_mut().zip(&mut scratch).enumerate().map(
+                    |(rank, (out, scratch))| {
+                        let io = IoBuffers::host(inputs[rank].as_slice(), out.as_mut_slice());
+                        execute(
+                            &schedules[rank],
+                            io,
+                            &links[rank],
+                            &calls[rank],
+                            scratch,
+                            deadline,
+                        )
+                    },
                 );
-                let run1 = execute(
-                    &schedules[1],
-                    IoBuffers::host(inputs[1].as_slice(), out1.as_mut_slice()),
-                    &links[1],
-                    &c1,
-                    &mut scratch1,
-                    deadline,
-                );
-                let (r0, r1) = rt.block_on(join(run0, run1));
-                r0.and(r1).expect("allreduce");
+                for result in rt.block_on(join_all(runs)) {
+                    result.expect("allreduce");
+                }
             })
         });
     }
