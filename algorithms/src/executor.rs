@@ -1,9 +1,9 @@
 //! The executor: runs any [`Schedule`] over links.
 //!
-//! Ops are grouped into queues, one per link direction (sends to p, receives
-//! from p) plus one for local ops. Each queue runs its ops in order, each op
-//! first waiting for its dependencies; all queues run concurrently inside one
-//! task. So while piece k is being reduced, piece k+1 is already arriving and
+//! Ops are grouped into lanes (worked out when the schedule is built), one
+//! per link direction (sends to p, receives from p) plus one for local ops.
+//! Each lane runs its ops in order, each op first waiting for its
+//! dependencies; all lanes run concurrently inside one task. So while piece k is being reduced, piece k+1 is already arriving and
 //! piece k-1 is on its way out: the pipelining falls out of the dependencies.
 //!
 //! On the first error, receives and ops not yet started are cancelled, but a
@@ -11,15 +11,14 @@
 //! that the link is left between frames and can still carry an abort notice.
 
 use std::{
-    collections::BTreeMap,
     future::{poll_fn, Future},
-    pin::pin,
+    pin::{pin, Pin},
     sync::{
         atomic::{AtomicBool, Ordering},
         Arc, Mutex,
     },
     task::Poll,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl_core::{
@@ -35,7 +34,7 @@ use futures::{
 pub const SEND_DRAIN: Duration = Duration::from_secs(1);
 
 use crate::{
-    schedule::{Action, BufId, Region, Schedule},
+    schedule::{Action, BufId, Lane, Region, Schedule},
     IoBuffers,
 };
 
@@ -100,28 +99,12 @@ struct Exec<'a> {
     /// wake it, it polls again anyway.
     repolling: AtomicBool,
     done: Vec<AtomicBool>,
-    /// The task that runs every queue (all queues run in one task, so one
+    /// The task that runs every lane (all lanes run in one task, so one
     /// waker is enough), woken when an op finishes or fails.
     progress: AtomicWaker,
-    /// The first error; once set, every queue stops.
+    /// The first error; once set, every lane stops.
     failure: Mutex<Option<Error>>,
     failed: AtomicBool,
-}
-
-/// Which queue an op runs in.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Queue {
-    Local,
-    SendTo(usize),
-    RecvFrom(usize),
-}
-
-fn queue_of(a: &Action) -> Queue {
-    match *a {
-        Action::Send { peer, .. } => Queue::SendTo(peer),
-        Action::Recv { peer, .. } | Action::RecvReduce { peer, .. } => Queue::RecvFrom(peer),
-        Action::Copy { .. } | Action::Finalize { .. } => Queue::Local,
-    }
 }
 
 impl Exec<'_> {
@@ -134,13 +117,16 @@ impl Exec<'_> {
             if ready() {
                 return Poll::Ready(true);
             }
-            self.progress.register(cx.waker());
+            // A repoll needs no wake-up (see `notify`); the real poll registers.
+            if !Repoll::is(cx) {
+                self.progress.register(cx.waker());
+            }
             Poll::Pending
         })
         .await
     }
 
-    /// Lets waiting queues look again. A task that is polled again at once
+    /// Lets waiting lanes look again. A task that is polled again at once
     /// anyway ([`Repoll`]) needs no wake-up, which would cost system calls.
     fn notify(&self) {
         if !self.repolling.load(Ordering::Relaxed) {
@@ -178,8 +164,9 @@ impl Exec<'_> {
         self.call.header(step, len)
     }
 
-    async fn run_queue(&self, ops: &[usize]) {
+    async fn run_lane(&self, ops: &[u32]) {
         for (step, &i) in ops.iter().enumerate() {
+            let i = i as usize;
             let op = &self.schedule.ops[i];
             let deps_done = || {
                 op.deps
@@ -248,6 +235,28 @@ impl Exec<'_> {
     }
 }
 
+/// Resolves `deadline` after it is made (never without one). The runtime's
+/// timer is armed at the first poll with a real waker: a call that finishes
+/// within repolls ([`Repoll`], whose poller promises a real poll before it
+/// lets the task sleep) never touches the timer, whose registration and
+/// removal (each under the timer wheel's lock) a small call would otherwise
+/// pay every time.
+fn limit(deadline: Option<Duration>) -> impl Future<Output = ()> {
+    let at = deadline.map(|d| Instant::now() + d);
+    async move {
+        let Some(at) = at else {
+            return std::future::pending().await;
+        };
+        // Until the first real poll: a repoll may return `Pending` unarmed.
+        poll_fn(|cx| match Repoll::is(cx) {
+            true => Poll::Pending,
+            false => Poll::Ready(()),
+        })
+        .await;
+        tokio::time::sleep_until(at.into()).await
+    }
+}
+
 /// Runs `schedule` over `links` (indexed by rank; `None` for this rank) on
 /// `io`, using `scratch` (replaced by larger scratch of the buffers' kind as
 /// needed) for temporary data. Past `deadline`, fails with [`Error::Timeout`]
@@ -283,7 +292,6 @@ pub async fn execute(
         kernels,
         elem,
     };
-    let mut queues: BTreeMap<Queue, Vec<usize>> = BTreeMap::new();
     for (i, op) in schedule.ops.iter().enumerate() {
         let a = &op.action;
         match *a {
@@ -304,7 +312,6 @@ pub async fn execute(
         if op.deps.iter().any(|&d| d as usize >= i) {
             return Err(Error::Internal(format!("op {i} depends on a later op")));
         }
-        queues.entry(queue_of(a)).or_default().push(i);
     }
     let exec = Exec {
         schedule,
@@ -319,20 +326,25 @@ pub async fn execute(
         failure: Mutex::new(None),
         failed: AtomicBool::new(false),
     };
-    // Every queue is polled on every wake-up of the one task (not only the
-    // queue that was woken, as `join_all` does past 30 futures): a queue may
-    // wait on another's progress, and `progress` holds a single waker.
-    let mut running: Vec<_> = queues
-        .values()
-        .map(|q| Some(Box::pin(exec.run_queue(q))))
-        .collect();
+    // Every lane is polled on every wake-up of the one task (not only the
+    // lane that was woken, as `join_all` does past 30 futures): a lane may
+    // wait on another's progress, and `progress` holds a single waker. The
+    // lanes' futures share one allocation.
+    let mut running: Pin<Box<[Option<_>]>> = schedule
+        .lanes
+        .iter()
+        .map(|(_, ops)| Some(exec.run_lane(ops)))
+        .collect::<Box<[_]>>()
+        .into();
     let all = poll_fn(|cx| {
         exec.repolling.store(Repoll::is(cx), Ordering::Relaxed);
         let mut pending = false;
-        for slot in running.iter_mut() {
-            if let Some(queue) = slot {
-                match queue.as_mut().poll(cx) {
-                    Poll::Ready(()) => *slot = None,
+        for i in 0..running.len() {
+            // SAFETY: the slice is pinned and never moved; this pins one element in place.
+            let mut slot = unsafe { running.as_mut().map_unchecked_mut(|s| &mut s[i]) };
+            if let Some(lane) = slot.as_mut().as_pin_mut() {
+                match lane.poll(cx) {
+                    Poll::Ready(()) => slot.set(None),
                     Poll::Pending => pending = true,
                 }
             }
@@ -347,22 +359,21 @@ pub async fn execute(
         exec.wait_until(|| false).await;
         tokio::time::sleep(SEND_DRAIN).await;
     };
-    let limit = async {
-        match deadline {
-            Some(d) => tokio::time::sleep(d).await,
-            None => std::future::pending().await,
-        }
-    };
+    let limit = limit(deadline);
     // Everything finishes (successfully, or with the sends drained after a
     // failure), or the drain time runs out first, or the deadline.
     if let Either::Right(_) = select(select(pin!(all), pin!(drain)), pin!(limit)).await {
         let waiting = |send: bool| -> Vec<usize> {
-            queues
+            schedule
+                .lanes
                 .iter()
-                .filter(|(_, ops)| ops.iter().any(|&i| !exec.done[i].load(Ordering::Acquire)))
-                .filter_map(|(q, _)| match *q {
-                    Queue::RecvFrom(p) if !send => Some(p),
-                    Queue::SendTo(p) if send => Some(p),
+                .filter(|(_, ops)| {
+                    ops.iter()
+                        .any(|&i| !exec.done[i as usize].load(Ordering::Acquire))
+                })
+                .filter_map(|(lane, _)| match *lane {
+                    Lane::RecvFrom(p) if !send => Some(p),
+                    Lane::SendTo(p) if send => Some(p),
                     _ => None,
                 })
                 .collect()

@@ -142,9 +142,44 @@ pub struct Op {
 /// The ops of one rank for one collective call.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Schedule {
-    pub ops: Vec<Op>,
+    pub(crate) ops: Vec<Op>,
     /// Elements of scratch memory the ops use.
-    pub scratch_elems: usize,
+    pub(crate) scratch_elems: usize,
+    /// The ops of each lane, in list order: worked out once here, not on
+    /// every call the schedule runs.
+    pub(crate) lanes: Vec<(Lane, Vec<u32>)>,
+}
+
+/// A sequence of ops that run one after the other: the sends to one peer,
+/// the receives from one peer (links are FIFO), or the local ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Lane {
+    Local,
+    SendTo(usize),
+    RecvFrom(usize),
+}
+
+impl Action {
+    /// The lane this op runs in.
+    pub(crate) fn lane(&self) -> Lane {
+        match *self {
+            Action::Send { peer, .. } => Lane::SendTo(peer),
+            Action::Recv { peer, .. } | Action::RecvReduce { peer, .. } => Lane::RecvFrom(peer),
+            Action::Copy { .. } | Action::Finalize { .. } => Lane::Local,
+        }
+    }
+}
+
+impl Schedule {
+    /// The ops, in the order they were pushed.
+    pub fn ops(&self) -> &[Op] {
+        &self.ops
+    }
+
+    /// Elements of scratch memory the ops use.
+    pub fn scratch_elems(&self) -> usize {
+        self.scratch_elems
+    }
 }
 
 /// Builds a [`Schedule`], inferring dependencies from the regions ops touch:
@@ -263,7 +298,17 @@ impl Builder {
     }
 
     /// The finished schedule.
-    pub fn finish(self) -> Schedule {
+    pub fn finish(mut self) -> Schedule {
+        let mut lanes: Vec<(Lane, Vec<u32>)> = Vec::new();
+        for (i, op) in self.schedule.ops.iter().enumerate() {
+            let lane = op.action.lane();
+            match lanes.iter_mut().find(|(l, _)| *l == lane) {
+                Some((_, ops)) => ops.push(i as u32),
+                None => lanes.push((lane, vec![i as u32])),
+            }
+        }
+        lanes.sort_by_key(|(l, _)| *l);
+        self.schedule.lanes = lanes;
         self.schedule
     }
 }
@@ -318,6 +363,45 @@ mod tests {
         assert!(s.ops[s1 as usize].deps.is_empty());
         // writes [2,6): after the write of [0,4) and the reads of [0,4) and [4,8)
         assert_eq!(s.ops[r1 as usize].deps, vec![r0, s0, s1]);
+    }
+
+    #[test]
+    fn lanes_hold_each_link_direction_and_the_local_ops_in_list_order() {
+        let mut b = Builder::new();
+        let r0 = b.push(Action::Recv {
+            peer: 1,
+            dst: Region::new(OUT, 0, 4),
+        });
+        let s0 = b.push(Action::Send {
+            peer: 2,
+            src: Region::new(OUT, 0, 4),
+        });
+        let c = b.push(Action::Copy {
+            src: Region::new(IN, 4, 4),
+            dst: Region::new(OUT, 4, 4),
+        });
+        let r1 = b.push(Action::RecvReduce {
+            peer: 1,
+            dst: Region::new(OUT, 4, 4),
+            local: None,
+        });
+        let s1 = b.push(Action::Send {
+            peer: 1,
+            src: Region::new(OUT, 4, 4),
+        });
+        let f = b.push(Action::Finalize {
+            dst: Region::new(OUT, 0, 8),
+        });
+        let s = b.finish();
+        assert_eq!(
+            s.lanes,
+            vec![
+                (Lane::Local, vec![c, f]),
+                (Lane::SendTo(1), vec![s1]),
+                (Lane::SendTo(2), vec![s0]),
+                (Lane::RecvFrom(1), vec![r0, r1]),
+            ]
+        );
     }
 
     #[test]

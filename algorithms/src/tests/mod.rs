@@ -688,3 +688,62 @@ fn bad_schedules_are_rejected_before_running() {
         .schedule(&coll, 0, 2, 64, Layout::InPlace)
         .is_err());
 }
+
+/// Repolls ([`ccl_core::Repoll`]) arm no timer, but the deadline still counts
+/// from the call: a call first repolled past its deadline fails at its first
+/// real poll, naming the rank it waited for.
+#[test]
+fn the_deadline_counts_from_the_call_through_repolls() {
+    use std::{future::Future, task::Context, time::Instant};
+    let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, 4);
+    let schedule = Algorithm::RecursiveDoubling
+        .schedule(&coll, 0, 2, 64, Layout::InPlace)
+        .unwrap();
+    let call = Call {
+        comm: 1,
+        seq: 1,
+        rank: 0,
+        world_size: 2,
+        coll,
+    };
+    let links = mesh(2, false);
+    let mut data = vec![0u8; 32];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let deadline = Duration::from_millis(100);
+    let _entered = rt.enter();
+    let mut scratch = None;
+    let mut run = Box::pin(execute(
+        &schedule,
+        IoBuffers::host_in_place(&mut data),
+        &links[0],
+        &call,
+        &mut scratch,
+        Some(deadline),
+    ));
+    // Rank 1 never calls: every repoll finds nothing.
+    let waker = ccl_core::Repoll::waker();
+    let start = Instant::now();
+    while start.elapsed() < deadline + Duration::from_millis(50) {
+        assert!(run
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_pending());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let real = Instant::now();
+    match rt.block_on(run) {
+        Err(Error::Timeout { context, what, .. }) => {
+            assert!(context.contains("rank 0"), "{context}");
+            assert!(what.contains("rank(s) [1]"), "{what}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert!(
+        real.elapsed() < Duration::from_millis(50),
+        "the timeout came {:?} after the first real poll",
+        real.elapsed()
+    );
+}
