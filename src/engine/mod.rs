@@ -25,11 +25,13 @@
 
 use std::{
     collections::{HashMap, VecDeque},
+    future::Future,
     pin::pin,
     sync::{
         atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Condvar, Mutex, MutexGuard,
     },
+    task::Poll,
     thread,
     time::{Duration, Instant},
 };
@@ -37,7 +39,7 @@ use std::{
 use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Layout, Schedule};
 use ccl_core::{
     frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, Event, FrameHeader,
-    GroupMemory, Link, Result, Scratch, Spin, Store,
+    GroupMemory, Link, Repoll, Result, Scratch, Spin, Store,
 };
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
@@ -273,16 +275,22 @@ impl Shared {
         Ok(())
     }
 
-    /// Resolves once an abort is requested.
+    /// Resolves once an abort is requested. A repoll ([`Repoll`]) only looks
+    /// at the flag: registering for the notice takes the notifier's lock,
+    /// which the real poll that follows does.
     async fn cancelled(&self) {
-        loop {
-            let mut notified = pin!(self.cancel.notified());
-            notified.as_mut().enable();
+        // Made before the flag is read, it sees every notice sent after.
+        let mut notified = pin!(self.cancel.notified());
+        std::future::poll_fn(|cx| {
             if self.abort_requested.load(Ordering::Acquire) {
-                return;
+                return Poll::Ready(());
             }
-            notified.await;
-        }
+            if Repoll::is(cx) {
+                return Poll::Pending;
+            }
+            notified.as_mut().poll(cx)
+        })
+        .await
     }
 
     fn aborted_error(&self) -> Error {
@@ -398,8 +406,13 @@ impl Engine {
             Some(job) => {
                 let mut scratch = lock(&self.shared.scratch);
                 {
-                    let run = std::pin::pin!(self.shared.run(job, &mut scratch));
-                    self.runtime.block_on(Polling::new(run, self.shared.spin));
+                    let mut run = std::pin::pin!(self.shared.run(job, &mut scratch));
+                    let entered = self.runtime.enter();
+                    let done = polling::repoll_first(&mut run, self.shared.spin).is_some();
+                    drop(entered);
+                    if !done {
+                        self.runtime.block_on(Polling::new(run, self.shared.spin));
+                    }
                 }
                 drop(scratch);
                 self.stop_driving();

@@ -78,6 +78,31 @@ impl<F: Future + Unpin> Future for Polling<F> {
     }
 }
 
+/// Repolls `inner` ([`Repoll`]) up to [`REPOLLS`] times, without the
+/// runtime, when `spin` allows repolls: a small call over links that need no
+/// runtime wake-ups often finishes here, before the cost of a trip into the
+/// runtime (`block_on`). `None`: still pending; drive it with [`Polling`],
+/// which polls it with a real waker. The caller has entered the runtime's
+/// context, for the timers and tasks a poll may create.
+pub(super) fn repoll_first<F: Future + Unpin>(inner: &mut F, spin: Spin) -> Option<F::Output> {
+    if !spin.repoll || spin.window.is_zero() {
+        return None;
+    }
+    let waker = Repoll::waker();
+    let mut repoll = Context::from_waker(&waker);
+    for _ in 0..REPOLLS {
+        if let Poll::Ready(v) = Pin::new(&mut *inner).poll(&mut repoll) {
+            return Some(v);
+        }
+        if spin.yield_between {
+            thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+    None
+}
+
 /// How often [`Polling`] polls a future again at once (links in memory only)
 /// before it goes through the runtime, which checks sockets and timers.
 const REPOLLS: usize = 32;

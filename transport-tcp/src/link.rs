@@ -153,11 +153,15 @@ async fn read_vectored(rd: &OwnedReadHalf, bufs: &mut [IoSliceMut<'_>]) -> io::R
             Err(e) if again(&e) => {}
             r => return Poll::Ready(r),
         }
-        if direct && Repoll::is(cx) {
-            match (&*SockRef::from(rd.as_ref())).read_vectored(bufs) {
-                Err(e) if again(&e) => {}
-                r => return Poll::Ready(r),
+        if Repoll::is(cx) {
+            if !direct {
+                return Poll::Pending;
             }
+            // No readiness registered: the real poll that follows does that.
+            return match (&*SockRef::from(rd.as_ref())).read_vectored(bufs) {
+                Err(e) if again(&e) => Poll::Pending,
+                r => Poll::Ready(r),
+            };
         }
         match rd.as_ref().poll_read_ready(cx) {
             Poll::Ready(Ok(())) => {}
