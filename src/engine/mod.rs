@@ -408,7 +408,7 @@ impl Engine {
                 {
                     let mut run = std::pin::pin!(self.shared.run(job, &mut scratch));
                     let entered = self.runtime.enter();
-                    let done = polling::repoll_first(&mut run, self.shared.spin).is_some();
+                    let done = polling::repoll(&mut run, self.shared.spin).is_some();
                     drop(entered);
                     if !done {
                         self.runtime.block_on(Polling::new(run, self.shared.spin));

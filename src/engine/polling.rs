@@ -46,21 +46,9 @@ impl<F: Future + Unpin> Future for Polling<F> {
             self.until = Instant::now() + self.spin.window;
         }
         self.self_woken = false;
-        if self.spin.repoll {
-            // Links in memory need no runtime to make progress: poll again
-            // at once, a few times, before the trip through the runtime.
-            let waker = Repoll::waker();
-            let mut repoll = Context::from_waker(&waker);
-            for _ in 0..REPOLLS {
-                if let Poll::Ready(v) = Pin::new(&mut self.inner).poll(&mut repoll) {
-                    return Poll::Ready(v);
-                }
-                if self.spin.yield_between {
-                    thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
+        let spin = self.spin;
+        if let Some(v) = repoll(&mut self.inner, spin) {
+            return Poll::Ready(v);
         }
         match Pin::new(&mut self.inner).poll(cx) {
             Poll::Ready(v) => Poll::Ready(v),
@@ -78,13 +66,16 @@ impl<F: Future + Unpin> Future for Polling<F> {
     }
 }
 
-/// Repolls `inner` ([`Repoll`]) up to [`REPOLLS`] times, without the
-/// runtime, when `spin` allows repolls: a small call over links that need no
-/// runtime wake-ups often finishes here, before the cost of a trip into the
-/// runtime (`block_on`). `None`: still pending; drive it with [`Polling`],
-/// which polls it with a real waker. The caller has entered the runtime's
-/// context, for the timers and tasks a poll may create.
-pub(super) fn repoll_first<F: Future + Unpin>(inner: &mut F, spin: Spin) -> Option<F::Output> {
+/// Repolls `inner` ([`Repoll`]) up to [`REPOLLS`] times when `spin` allows
+/// repolls: links in memory need no runtime to make progress, so a small call
+/// often finishes here, before the trip through the runtime. `None`: still
+/// pending; poll it with a real waker before the thread may sleep.
+///
+/// [`Polling`] starts each poll with this; a caller that runs a call inline
+/// starts with it too, outside `block_on` (skipping its entry and exit),
+/// having entered the runtime's context for the timers and tasks a poll may
+/// create.
+pub(super) fn repoll<F: Future + Unpin>(inner: &mut F, spin: Spin) -> Option<F::Output> {
     if !spin.repoll || spin.window.is_zero() {
         return None;
     }
