@@ -366,42 +366,32 @@ mod tests {
     }
 
     #[test]
-    fn lanes_hold_each_link_direction_and_the_local_ops_in_list_order() {
-        let mut b = Builder::new();
-        let r0 = b.push(Action::Recv {
-            peer: 1,
-            dst: Region::new(OUT, 0, 4),
-        });
-        let s0 = b.push(Action::Send {
-            peer: 2,
-            src: Region::new(OUT, 0, 4),
-        });
-        let c = b.push(Action::Copy {
-            src: Region::new(IN, 4, 4),
-            dst: Region::new(OUT, 4, 4),
-        });
-        let r1 = b.push(Action::RecvReduce {
-            peer: 1,
-            dst: Region::new(OUT, 4, 4),
-            local: None,
-        });
-        let s1 = b.push(Action::Send {
-            peer: 1,
-            src: Region::new(OUT, 4, 4),
-        });
-        let f = b.push(Action::Finalize {
-            dst: Region::new(OUT, 0, 8),
-        });
-        let s = b.finish();
-        assert_eq!(
-            s.lanes,
-            vec![
-                (Lane::Local, vec![c, f]),
-                (Lane::SendTo(1), vec![s1]),
-                (Lane::SendTo(2), vec![s0]),
-                (Lane::RecvFrom(1), vec![r0, r1]),
-            ]
-        );
+    fn lanes_hold_each_op_once_in_its_direction_and_in_list_order() {
+        use crate::Algorithm;
+        use ccl_core::{Collective, CollectiveKind, DataType};
+        let coll = Collective::new(CollectiveKind::AllReduce, DataType::F32, 1000);
+        for algorithm in [Algorithm::Ring, Algorithm::RecursiveDoubling] {
+            for n in [2, 3, 5] {
+                let s = algorithm
+                    .schedule(&coll, 1, n, 64, Layout::OutOfPlace)
+                    .unwrap();
+                let mut seen = vec![false; s.ops.len()];
+                for (lane, ops) in &s.lanes {
+                    assert!(ops.windows(2).all(|w| w[0] < w[1]), "{lane:?}: {ops:?}");
+                    for &i in ops {
+                        assert_eq!(s.ops[i as usize].action.lane(), *lane);
+                        assert!(!std::mem::replace(&mut seen[i as usize], true));
+                    }
+                }
+                assert!(seen.iter().all(|&s| s), "{algorithm:?} at {n} ranks");
+                let peers = |f: fn(usize) -> Lane| {
+                    (0..n)
+                        .filter(|&p| s.lanes.iter().any(|(l, _)| *l == f(p)))
+                        .count()
+                };
+                assert!(peers(Lane::SendTo) > 0 && peers(Lane::RecvFrom) > 0);
+            }
+        }
     }
 
     #[test]

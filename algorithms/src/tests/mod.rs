@@ -650,10 +650,11 @@ fn mismatched_calls_are_reported() {
     }
 }
 
-#[test]
-fn bad_schedules_are_rejected_before_running() {
-    let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, 8);
-    let schedule = Algorithm::Ring
+/// Rank 0's schedule (in place) and call of an allreduce of `count` u64
+/// between 2 ranks.
+fn rank0_of_two(algorithm: Algorithm, count: usize) -> (crate::Schedule, Call) {
+    let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, count);
+    let schedule = algorithm
         .schedule(&coll, 0, 2, 64, Layout::InPlace)
         .unwrap();
     let call = Call {
@@ -663,6 +664,13 @@ fn bad_schedules_are_rejected_before_running() {
         world_size: 2,
         coll,
     };
+    (schedule, call)
+}
+
+#[test]
+fn bad_schedules_are_rejected_before_running() {
+    let (schedule, call) = rank0_of_two(Algorithm::Ring, 8);
+    let coll = call.coll;
     let mut small = vec![0u8; 8];
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -695,17 +703,7 @@ fn bad_schedules_are_rejected_before_running() {
 #[test]
 fn the_deadline_counts_from_the_call_through_repolls() {
     use std::{future::Future, task::Context, time::Instant};
-    let coll = Collective::new(CollectiveKind::AllReduce, DataType::U64, 4);
-    let schedule = Algorithm::RecursiveDoubling
-        .schedule(&coll, 0, 2, 64, Layout::InPlace)
-        .unwrap();
-    let call = Call {
-        comm: 1,
-        seq: 1,
-        rank: 0,
-        world_size: 2,
-        coll,
-    };
+    let (schedule, call) = rank0_of_two(Algorithm::RecursiveDoubling, 4);
     let links = mesh(2, false);
     let mut data = vec![0u8; 32];
     let rt = tokio::runtime::Builder::new_current_thread()
