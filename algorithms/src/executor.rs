@@ -3,8 +3,9 @@
 //! Ops are grouped into lanes (worked out when the schedule is built), one
 //! per link direction (sends to p, receives from p) plus one for local ops.
 //! Each lane runs its ops in order, each op first waiting for its
-//! dependencies; all lanes run concurrently inside one task. So while piece k is being reduced, piece k+1 is already arriving and
-//! piece k-1 is on its way out: the pipelining falls out of the dependencies.
+//! dependencies; all lanes run concurrently inside one task. So while piece
+//! k is being reduced, piece k+1 is already arriving and piece k-1 is on its
+//! way out: the pipelining falls out of the dependencies.
 //!
 //! On the first error, receives and ops not yet started are cancelled, but a
 //! send already writing may finish its frame (for at most [`SEND_DRAIN`]), so
