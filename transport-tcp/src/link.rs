@@ -35,8 +35,11 @@ const ALIGN: usize = 64;
 /// Header and payload are copied into one buffer and written at once up to this size.
 const COALESCE_MAX: usize = 16 * 1024;
 /// Reads of at most this many bytes ask the socket directly while the
-/// runtime has not seen it readable (see [`read_vectored`]).
+/// runtime has not seen it readable (see [`Reader::read`]).
 const DIRECT_READ_MAX: usize = 64 * 1024 + HEADER_LEN;
+/// Frames of at most this many bytes are read together with up to this many
+/// bytes that follow them on the socket (see [`Reader`]).
+const READ_AHEAD: usize = 8 * 1024;
 /// Bound on each step of an abort.
 const ABORT_STEP: Duration = Duration::from_secs(1);
 /// How long a failed send looks for an abort notice the peer left behind.
@@ -63,7 +66,7 @@ async fn write_both(half: &mut OwnedWriteHalf, head: &[u8], data: &[u8]) -> io::
 }
 
 struct ReadSide {
-    half: OwnedReadHalf,
+    reader: Reader,
     /// Where receive-and-reduce lands pieces; kept across calls.
     scratch: AlignedBuf,
 }
@@ -131,45 +134,97 @@ fn split_stripes(buf: &[u8], n: usize) -> Vec<&[u8]> {
     stripe_ranges(buf.len(), n).map(|r| &buf[r]).collect()
 }
 
-/// One `readv` into `bufs`, waiting for the socket to become readable.
+/// The read half of a socket and the bytes read from it past the frame
+/// being received.
 ///
-/// On a repoll ([`Repoll`]: the caller polls again at once, without the
-/// runtime), a read of at most [`DIRECT_READ_MAX`] bytes asks the socket
-/// directly (one more `readv`) where the runtime has not seen it readable
-/// since a read found it empty: a small message is then seen as soon as it
-/// lands, not at the runtime's next look at the sockets. Larger reads wait
-/// for the runtime: polling the socket of a bulk transfer takes its lock
-/// from the kernel's delivery of the peer's segments.
-async fn read_vectored(rd: &OwnedReadHalf, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-    let again = |e: &io::Error| {
-        matches!(
-            e.kind(),
-            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-        )
-    };
-    let direct = bufs.iter().map(|b| b.len()).sum::<usize>() <= DIRECT_READ_MAX;
-    std::future::poll_fn(|cx| loop {
-        match rd.try_read_vectored(bufs) {
-            Err(e) if again(&e) => {}
-            r => return Poll::Ready(r),
+/// A read for a frame of at most [`READ_AHEAD`] bytes asks the socket for
+/// up to [`READ_AHEAD`] bytes more, in a third buffer of the same `readv`:
+/// where the sender is ahead (a broadcast's root, a pipeline), one system
+/// call takes several frames, and the reads that follow take them from
+/// memory. The bytes past the frame land in the buffers of the reads after
+/// it in stream order, so every read on the socket goes through here.
+struct Reader {
+    half: OwnedReadHalf,
+    ahead: Box<[u8]>,
+    /// `ahead[start..end]` holds the bytes read ahead and not yet taken.
+    start: usize,
+    end: usize,
+}
+
+impl Reader {
+    fn new(half: OwnedReadHalf) -> Reader {
+        Reader {
+            half,
+            ahead: vec![0; READ_AHEAD].into_boxed_slice(),
+            start: 0,
+            end: 0,
         }
-        if Repoll::is(cx) {
-            if !direct {
-                return Poll::Pending;
+    }
+
+    /// Fills a prefix of `a`, then of `b`, and returns how many bytes it
+    /// wrote there (0: the peer closed the stream): from the bytes read
+    /// ahead where there are some, else with one `readv`, waiting for the
+    /// socket to become readable.
+    ///
+    /// On a repoll ([`Repoll`]: the caller polls again at once, without the
+    /// runtime), a read of at most [`DIRECT_READ_MAX`] bytes asks the socket
+    /// directly (one more `readv`) where the runtime has not seen it readable
+    /// since a read found it empty: a small message is then seen as soon as
+    /// it lands, not at the runtime's next look at the sockets. Larger reads
+    /// wait for the runtime: polling the socket of a bulk transfer takes its
+    /// lock from the kernel's delivery of the peer's segments.
+    async fn read(&mut self, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
+        if self.start < self.end {
+            let mut taken = 0;
+            for to in [a, b] {
+                let n = to.len().min(self.end - self.start);
+                to[..n].copy_from_slice(&self.ahead[self.start..self.start + n]);
+                self.start += n;
+                taken += n;
             }
-            // No readiness registered: the real poll that follows does that.
-            return match (&*SockRef::from(rd.as_ref())).read_vectored(bufs) {
-                Err(e) if again(&e) => Poll::Pending,
-                r => Poll::Ready(r),
-            };
+            return Ok(taken);
         }
-        match rd.as_ref().poll_read_ready(cx) {
-            Poll::Ready(Ok(())) => {}
-            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-            Poll::Pending => return Poll::Pending,
-        }
-    })
-    .await
+        let want = a.len() + b.len();
+        let ahead_len = if want <= READ_AHEAD { self.ahead.len() } else { 0 };
+        let direct = want <= DIRECT_READ_MAX;
+        let (half, ahead) = (&self.half, &mut self.ahead[..ahead_len]);
+        let again = |e: &io::Error| {
+            matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            )
+        };
+        let got = std::future::poll_fn(|cx| loop {
+            let mut bufs = [
+                IoSliceMut::new(&mut *a),
+                IoSliceMut::new(&mut *b),
+                IoSliceMut::new(&mut *ahead),
+            ];
+            match half.try_read_vectored(&mut bufs) {
+                Err(e) if again(&e) => {}
+                r => return Poll::Ready(r),
+            }
+            if Repoll::is(cx) {
+                if !direct {
+                    return Poll::Pending;
+                }
+                // No readiness registered: the real poll that follows does that.
+                return match (&*SockRef::from(half.as_ref())).read_vectored(&mut bufs) {
+                    Err(e) if again(&e) => Poll::Pending,
+                    r => Poll::Ready(r),
+                };
+            }
+            match half.as_ref().poll_read_ready(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await?;
+        self.start = 0;
+        self.end = got.saturating_sub(want);
+        Ok(got - self.end)
+    }
 }
 
 fn eof() -> io::Error {
@@ -187,7 +242,7 @@ impl TcpLink {
                 let (rd, wr) = s.into_split();
                 Sock {
                     rd: Mutex::new(ReadSide {
-                        half: rd,
+                        reader: Reader::new(rd),
                         scratch: AlignedBuf::zeroed(0),
                     }),
                     wr: Mutex::new(WriteSide {
@@ -231,22 +286,17 @@ impl TcpLink {
     /// checks it against `expect`. Returns how many bytes of `first` hold payload.
     async fn read_head(
         &self,
-        rd: &OwnedReadHalf,
+        rd: &mut Reader,
         expect: &FrameHeader,
         first: &mut [u8],
     ) -> Result<usize> {
         let mut head = [0u8; HEADER_LEN];
         let mut have = 0;
         let extra = loop {
-            let n = {
-                let mut bufs = [
-                    IoSliceMut::new(&mut head[have..]),
-                    IoSliceMut::new(&mut *first),
-                ];
-                read_vectored(rd, &mut bufs)
-                    .await
-                    .map_err(|e| self.lost(e))?
-            };
+            let n = rd
+                .read(&mut head[have..], &mut *first)
+                .await
+                .map_err(|e| self.lost(e))?;
             if n == 0 {
                 return Err(self.lost(eof()));
             }
@@ -264,7 +314,7 @@ impl TcpLink {
     }
 
     /// Reads the rest of an abort frame whose payload starts with `already`.
-    async fn read_abort(&self, rd: &OwnedReadHalf, got: &FrameHeader, already: &[u8]) -> Error {
+    async fn read_abort(&self, rd: &mut Reader, got: &FrameHeader, already: &[u8]) -> Error {
         let limit = MAX_ABORT_REASON + 4;
         if got.len > limit as u64 {
             return self.protocol(format!(
@@ -278,8 +328,7 @@ impl TcpLink {
         payload[..have].copy_from_slice(&already[..have]);
         let mut filled = have;
         while filled < len {
-            let mut bufs = [IoSliceMut::new(&mut payload[filled..])];
-            match read_vectored(rd, &mut bufs).await {
+            match rd.read(&mut payload[filled..], &mut []).await {
                 Ok(0) => return self.lost(eof()),
                 Ok(n) => filled += n,
                 Err(e) => return self.lost(e),
@@ -295,15 +344,15 @@ impl TcpLink {
     /// Reads an abort notice waiting on socket 0, unless a receive holds it or
     /// what waits there is not an abort frame; otherwise returns `fallback`.
     async fn pending_abort(&self, fallback: Error) -> Error {
-        let Ok(guard) = self.socks[0].rd.try_lock() else {
+        let Ok(mut guard) = self.socks[0].rd.try_lock() else {
             return fallback;
         };
-        let rd = &guard.half;
+        let rd = &mut guard.reader;
         let read = async {
             let mut head = [0u8; HEADER_LEN];
             let mut have = 0;
             while have < HEADER_LEN {
-                match read_vectored(rd, &mut [IoSliceMut::new(&mut head[have..])]).await {
+                match rd.read(&mut head[have..], &mut []).await {
                     Ok(n) if n > 0 => have += n,
                     _ => return None,
                 }
@@ -397,13 +446,12 @@ impl TcpLink {
     }
 
     async fn recv_stripe(&self, i: usize, expect: &FrameHeader, part: &mut [u8]) -> Result<()> {
-        let guard = self.socks[i].rd.lock().await;
-        let rd = &guard.half;
+        let mut guard = self.socks[i].rd.lock().await;
+        let rd = &mut guard.reader;
         let n = self.read_head(rd, expect, part).await?;
         let mut filled = n;
         while filled < part.len() {
-            let mut bufs = [IoSliceMut::new(&mut part[filled..])];
-            match read_vectored(rd, &mut bufs).await {
+            match rd.read(&mut part[filled..], &mut []).await {
                 Ok(0) => return Err(self.lost(eof())),
                 Ok(n) => filled += n,
                 Err(e) => return Err(self.lost(e)),
@@ -452,17 +500,16 @@ impl TcpLink {
         reduction: &Reduction<'_>,
     ) -> Result<()> {
         let mut guard = self.socks[i].rd.lock().await;
-        let ReadSide { half, scratch } = &mut *guard;
+        let ReadSide { reader, scratch } = &mut *guard;
         let first = part.len().min(REDUCE_PIECE);
         scratch.reserve_len(first);
         let scratch = scratch.as_mut_slice();
-        let mut filled = self.read_head(half, expect, &mut scratch[..first]).await?;
+        let mut filled = self.read_head(reader, expect, &mut scratch[..first]).await?;
         let mut off = 0;
         while off < part.len() {
             let piece = (part.len() - off).min(REDUCE_PIECE);
             while filled < piece {
-                let mut bufs = [IoSliceMut::new(&mut scratch[filled..piece])];
-                match read_vectored(half, &mut bufs).await {
+                match reader.read(&mut scratch[filled..piece], &mut []).await {
                     Ok(0) => return Err(self.lost(eof())),
                     Ok(n) => filled += n,
                     Err(e) => return Err(self.lost(e)),
@@ -654,6 +701,131 @@ mod tests {
             sent.unwrap();
             assert_eq!(got[..HEADER_LEN], header(len).encode());
             assert!(got[HEADER_LEN..] == data[..], "the payload arrived changed");
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Frames written back to back, cut into writes at arbitrary places,
+    /// arrive whole and in order through receives and receive-and-reduces
+    /// of sizes around the read-ahead buffer's: what one read takes past its
+    /// frame begins the next.
+    #[tokio::test]
+    async fn frames_read_ahead_arrive_whole_and_in_order() {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            let (link, mut raw) = raw_pair().await;
+            let mut seed = 0x2545_f491_4f6c_dd1du64;
+            let mut next = move |m: usize| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                (seed % m as u64) as usize
+            };
+            let floats = [16, READ_AHEAD / 4 + 16, 3 * READ_AHEAD / 4];
+            let counts: Vec<usize> = (0..300).map(|i| next(floats[i % 3])).collect();
+            let head = |seq: usize, count: usize| {
+                FrameHeader::data(
+                    5,
+                    seq as u64,
+                    0,
+                    4 * count,
+                    Fingerprint::new(CollectiveKind::SendRecv, DataType::F32, count),
+                )
+            };
+            let payload = |seq: usize, count: usize| -> Vec<u8> {
+                (0..count)
+                    .flat_map(|i| (((seq + i) % 1000) as f32).to_le_bytes())
+                    .collect()
+            };
+            let mut stream = Vec::new();
+            for (seq, &count) in counts.iter().enumerate() {
+                stream.extend_from_slice(&head(seq, count).encode());
+                stream.extend_from_slice(&payload(seq, count));
+            }
+            let cuts: Vec<usize> = (0..stream.len()).map(|_| 1 + next(3 * READ_AHEAD)).collect();
+            let writer = async {
+                let mut at = 0;
+                for cut in cuts {
+                    let end = (at + cut).min(stream.len());
+                    raw.write_all(&stream[at..end]).await.unwrap();
+                    tokio::task::yield_now().await;
+                    at = end;
+                    if at == stream.len() {
+                        break;
+                    }
+                }
+            };
+            let reader = async {
+                for (seq, &count) in counts.iter().enumerate() {
+                    let mut into = AlignedBuf::zeroed(4 * count);
+                    let want = payload(seq, count);
+                    if seq % 2 == 1 {
+                        let into = &mut into.as_mut_slice()[..4 * count];
+                        link.recv(head(seq, count), BufMut::from_host(into))
+                            .await
+                            .unwrap();
+                        assert!(*into == want[..], "frame {seq} of {count} floats changed");
+                        continue;
+                    }
+                    let into = &mut into.as_mut_slice()[..4 * count];
+                    into.copy_from_slice(&[1f32.to_le_bytes(); 1].repeat(count).concat());
+                    let red = Reduction {
+                        op: ReduceOp::Sum,
+                        dtype: DataType::F32,
+                        local: None,
+                        kernels: &HOST_KERNELS,
+                    };
+                    link.recv_reduce(head(seq, count), BufMut::from_host(into), red)
+                        .await
+                        .unwrap();
+                    for (i, (got, sent)) in into.chunks(4).zip(want.chunks(4)).enumerate() {
+                        let (got, sent) = (
+                            f32::from_le_bytes(got.try_into().unwrap()),
+                            f32::from_le_bytes(sent.try_into().unwrap()),
+                        );
+                        assert_eq!(got, sent + 1.0, "frame {seq}, element {i}");
+                    }
+                }
+            };
+            tokio::join!(writer, reader);
+        })
+        .await
+        .unwrap();
+    }
+
+    /// An abort notice read ahead with a frame ends the next receive, with
+    /// the notice's reason.
+    #[tokio::test]
+    async fn an_abort_notice_read_ahead_ends_the_next_receive() {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            let (link, mut raw) = raw_pair().await;
+            let notice = AbortNotice {
+                failed_rank: 1,
+                reason: "out of memory".into(),
+            };
+            let mut bytes = header(8).encode().to_vec();
+            bytes.extend_from_slice(&[3; 8]);
+            bytes.extend_from_slice(&notice.header(5).encode());
+            bytes.extend_from_slice(&notice.encode());
+            raw.write_all(&bytes).await.unwrap();
+            let mut into = [0u8; 8];
+            link.recv(header(8), BufMut::from_host(&mut into))
+                .await
+                .unwrap();
+            assert_eq!(into, [3; 8]);
+            {
+                let side = link.socks[0].rd.try_lock().unwrap();
+                let held = side.reader.end - side.reader.start;
+                assert_eq!(held, bytes.len() - HEADER_LEN - 8, "the notice was not read ahead");
+            }
+            let e = link
+                .recv(header(8), BufMut::from_host(&mut into))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, Error::PeerLost { peer: 1, cause, .. } if cause.contains("out of memory")),
+                "{e}"
+            );
         })
         .await
         .unwrap();
