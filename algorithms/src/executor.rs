@@ -5,7 +5,10 @@
 //! Each lane runs its ops in order, each op first waiting for its
 //! dependencies; all lanes run concurrently inside one task. So while piece
 //! k is being reduced, piece k+1 is already arriving and piece k-1 is on its
-//! way out: the pipelining falls out of the dependencies.
+//! way out: the pipelining falls out of the dependencies. An op finishes
+//! only while the task polls its lane, so a lane that waits for another's
+//! op needs no waker: after a pass over the lanes in which some op finished
+//! or failed, the task polls every lane again, until a pass changes nothing.
 //!
 //! On the first error, receives and ops not yet started are cancelled, but a
 //! send already writing may finish its frame (for at most [`SEND_DRAIN`]), so
@@ -15,7 +18,7 @@ use std::{
     future::{poll_fn, Future},
     pin::{pin, Pin},
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
         Arc, Mutex,
     },
     task::Poll,
@@ -26,10 +29,7 @@ use ccl_core::{
     BufMut, BufRef, Call, Error, FrameHeader, Kernels, Link, MemoryKind, Reduction, Repoll, Result,
     Scratch,
 };
-use futures::{
-    future::{select, Either},
-    task::AtomicWaker,
-};
+use futures::future::{select, Either};
 
 /// How long sends already writing may go on after another op failed.
 pub const SEND_DRAIN: Duration = Duration::from_secs(1);
@@ -96,43 +96,38 @@ struct Exec<'a> {
     links: &'a [Option<Arc<dyn Link>>],
     call: &'a Call,
     mem: Memory,
-    /// The task is being repolled ([`Repoll`]): ops that finish need not
-    /// wake it, it polls again anyway.
-    repolling: AtomicBool,
     done: Vec<AtomicBool>,
-    /// The task that runs every lane (all lanes run in one task, so one
-    /// waker is enough), woken when an op finishes or fails.
-    progress: AtomicWaker,
+    /// Ops finished or failed so far: a pass over the lanes that changes it
+    /// is followed by another.
+    progress: AtomicU64,
     /// The first error; once set, every lane stops.
     failure: Mutex<Option<Error>>,
     failed: AtomicBool,
 }
 
 impl Exec<'_> {
-    /// Waits until `ready()` or a failure; true if ready.
+    /// Waits until `ready()` or a failure; true if ready. `ready()` turns
+    /// true only when an op of this task finishes, after which `execute`
+    /// polls every lane again: no waker is registered.
     async fn wait_until(&self, ready: impl Fn() -> bool) -> bool {
-        poll_fn(|cx| {
+        poll_fn(|_| {
             if self.failed.load(Ordering::Acquire) {
                 return Poll::Ready(false);
             }
             if ready() {
                 return Poll::Ready(true);
             }
-            // A repoll needs no wake-up (see `notify`); the real poll registers.
-            if !Repoll::is(cx) {
-                self.progress.register(cx.waker());
-            }
             Poll::Pending
         })
         .await
     }
 
-    /// Lets waiting lanes look again. A task that is polled again at once
-    /// anyway ([`Repoll`]) needs no wake-up, which would cost system calls.
+    /// Lets waiting lanes look again: the pass over the lanes under way is
+    /// followed by another. Only this task's poll gets here, so a load and
+    /// a store do.
     fn notify(&self) {
-        if !self.repolling.load(Ordering::Relaxed) {
-            self.progress.wake();
-        }
+        let n = self.progress.load(Ordering::Relaxed);
+        self.progress.store(n + 1, Ordering::Relaxed);
     }
 
     fn fail(&self, e: Error) {
@@ -141,7 +136,7 @@ impl Exec<'_> {
             *first = Some(e);
         }
         self.failed.store(true, Ordering::Release);
-        self.progress.wake();
+        self.notify();
     }
 
     /// Runs `f` unless a failure happens first.
@@ -322,23 +317,25 @@ pub async fn execute(
         done: (0..schedule.ops.len())
             .map(|_| AtomicBool::new(false))
             .collect(),
-        repolling: AtomicBool::new(false),
-        progress: AtomicWaker::new(),
+        progress: AtomicU64::new(0),
         failure: Mutex::new(None),
         failed: AtomicBool::new(false),
     };
     // Every lane is polled on every wake-up of the one task (not only the
-    // lane that was woken, as `join_all` does past 30 futures): a lane may
-    // wait on another's progress, and `progress` holds a single waker. The
-    // lanes' futures share one allocation.
+    // lane that was woken, as `join_all` does past 30 futures), and again
+    // after any pass in which an op finished: a lane may wait on another's
+    // progress, and nothing wakes it for that (see `Exec::wait_until`). A
+    // waking would cost the runtime a turn (an `epoll_wait`) per finished op
+    // that another lane waits on, as a tree's inner rank forwards what it
+    // received. The lanes' futures share one allocation.
     let mut running: Pin<Box<[Option<_>]>> = schedule
         .lanes
         .iter()
         .map(|(_, ops)| Some(exec.run_lane(ops)))
         .collect::<Box<[_]>>()
         .into();
-    let all = poll_fn(|cx| {
-        exec.repolling.store(Repoll::is(cx), Ordering::Relaxed);
+    let all = poll_fn(|cx| loop {
+        let seen = exec.progress.load(Ordering::Relaxed);
         let mut pending = false;
         for i in 0..running.len() {
             // SAFETY: the slice is pinned and never moved; this pins one element in place.
@@ -350,10 +347,11 @@ pub async fn execute(
                 }
             }
         }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
+        if !pending {
+            return Poll::Ready(());
+        }
+        if exec.progress.load(Ordering::Relaxed) == seen {
+            return Poll::Pending;
         }
     });
     let drain = async {
