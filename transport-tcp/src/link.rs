@@ -185,7 +185,11 @@ impl Reader {
             return Ok(taken);
         }
         let want = a.len() + b.len();
-        let ahead_len = if want <= READ_AHEAD { self.ahead.len() } else { 0 };
+        let ahead_len = if want <= READ_AHEAD {
+            self.ahead.len()
+        } else {
+            0
+        };
         let direct = want <= DIRECT_READ_MAX;
         let (half, ahead) = (&self.half, &mut self.ahead[..ahead_len]);
         let again = |e: &io::Error| {
@@ -504,7 +508,9 @@ impl TcpLink {
         let first = part.len().min(REDUCE_PIECE);
         scratch.reserve_len(first);
         let scratch = scratch.as_mut_slice();
-        let mut filled = self.read_head(reader, expect, &mut scratch[..first]).await?;
+        let mut filled = self
+            .read_head(reader, expect, &mut scratch[..first])
+            .await?;
         let mut off = 0;
         while off < part.len() {
             let piece = (part.len() - off).min(REDUCE_PIECE);
@@ -742,7 +748,9 @@ mod tests {
                 stream.extend_from_slice(&head(seq, count).encode());
                 stream.extend_from_slice(&payload(seq, count));
             }
-            let cuts: Vec<usize> = (0..stream.len()).map(|_| 1 + next(3 * READ_AHEAD)).collect();
+            let cuts: Vec<usize> = (0..stream.len())
+                .map(|_| 1 + next(3 * READ_AHEAD))
+                .collect();
             let writer = async {
                 let mut at = 0;
                 for cut in cuts {

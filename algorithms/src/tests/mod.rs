@@ -745,3 +745,67 @@ fn the_deadline_counts_from_the_call_through_repolls() {
         real.elapsed()
     );
 }
+
+/// A rank that forwards what it receives (the middle of a chain broadcast,
+/// in pieces) finishes in one poll once its data is there: after the
+/// receive of a piece, the lane that sends it is polled again in the same
+/// poll, with no waking of the task in between.
+#[test]
+fn a_forwarding_rank_finishes_in_one_poll_once_its_data_is_there() {
+    use std::{future::Future, task::Context};
+    let n = 3;
+    let coll = Collective::new(CollectiveKind::Broadcast, DataType::U8, 64).with_root(0);
+    let links = mesh(n, false);
+    let schedule = |rank| {
+        Algorithm::Chain
+            .schedule(&coll, rank, n, 16, Layout::InPlace)
+            .unwrap()
+    };
+    let call = |rank| Call {
+        comm: 1,
+        seq: 1,
+        rank,
+        world_size: n,
+        coll,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let _entered = rt.enter();
+    let sent: Vec<u8> = (0..64).collect();
+    let mut root = sent.clone();
+    let run = |rank: usize, data: &mut [u8]| {
+        rt.block_on(execute(
+            &schedule(rank),
+            IoBuffers::host_in_place(data),
+            &links[rank],
+            &call(rank),
+            &mut None,
+            None,
+        ))
+    };
+    // The loopback links hold the root's pieces until rank 1 takes them.
+    run(0, &mut root).unwrap();
+    let mut middle = vec![0u8; 64];
+    let (middle_schedule, middle_call, mut scratch) = (schedule(1), call(1), None);
+    let one_poll = {
+        let mut forward = Box::pin(execute(
+            &middle_schedule,
+            IoBuffers::host_in_place(&mut middle),
+            &links[1],
+            &middle_call,
+            &mut scratch,
+            None,
+        ));
+        let waker = futures::task::noop_waker();
+        forward.as_mut().poll(&mut Context::from_waker(&waker))
+    };
+    match one_poll {
+        std::task::Poll::Ready(r) => r.unwrap(),
+        std::task::Poll::Pending => panic!("rank 1 still waits after one poll with its data there"),
+    }
+    assert_eq!(middle, sent);
+    let mut last = vec![0u8; 64];
+    run(2, &mut last).unwrap();
+    assert_eq!(last, sent);
+}
