@@ -7,7 +7,7 @@
 //! the [`Link`] and [`Transport`] traits transports implement and the
 //! [`GroupMemory`] some of them offer, and [`loopback`] links through this
 //! process's memory; the [`Work`] handle; how waiting
-//! threads poll ([`Spin`], [`Repoll`]); the rendezvous [`Store`] trait; the
+//! threads poll ([`Spin`], [`SpinWindow`], [`Repoll`]); the rendezvous [`Store`] trait; the
 //! [`JobSecret`] and [`Error`]. It depends on no other ccl crate.
 
 mod buf;
@@ -26,6 +26,7 @@ pub mod secret;
 mod spin;
 mod store;
 mod transport;
+mod window;
 mod work;
 
 pub use buf::AlignedBuf;
@@ -42,6 +43,7 @@ pub use secret::JobSecret;
 pub use spin::{allowed_cpus, Spin};
 pub use store::Store;
 pub use transport::{Connector, LinkClass, PairResult, PeerInfo, RepollWhen, Setup, Transport};
+pub use window::SpinWindow;
 pub use work::{work_pair, Completer, Event, Work};
 
 pub use half::{bf16, f16};

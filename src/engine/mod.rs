@@ -39,7 +39,7 @@ use std::{
 use ccl_algorithms::{execute, group, Algorithm, IoBuffers, Layout, Schedule};
 use ccl_core::{
     frame::HEADER_LEN, Call, Collective, CollectiveKind, DataType, Error, Event, FrameHeader,
-    GroupMemory, Link, Repoll, Result, Scratch, Spin, Store,
+    GroupMemory, Link, Repoll, Result, Scratch, Spin, SpinWindow, Store,
 };
 use futures::future::{select, Either};
 use tokio::{runtime::Runtime, sync::mpsc, sync::Notify};
@@ -141,6 +141,8 @@ pub(super) struct Shared {
     scratch: Mutex<Option<Scratch>>,
     /// How the driving thread polls before it sleeps.
     spin: Spin,
+    /// How long it polls, adapted to how its waits end.
+    window: SpinWindow,
     /// Memory shared by every rank, when a transport offers it.
     group: Option<Arc<dyn GroupMemory>>,
     /// Check every collective's arguments across ranks first (`CCL_DEBUG_CHECKS`).
@@ -363,6 +365,7 @@ impl Engine {
             transfers_done: Notify::new(),
             scratch: Mutex::new(None),
             spin,
+            window: SpinWindow::new(spin.window),
             group,
             debug_checks,
             abort_requested: AtomicBool::new(false),
@@ -411,7 +414,11 @@ impl Engine {
                     let done = polling::repoll(&mut run, self.shared.spin).is_some();
                     drop(entered);
                     if !done {
-                        self.runtime.block_on(Polling::new(run, self.shared.spin));
+                        self.runtime.block_on(Polling::new(
+                            run,
+                            self.shared.spin,
+                            &self.shared.window,
+                        ));
                     }
                 }
                 drop(scratch);
@@ -557,7 +564,7 @@ fn progress_thread(shared: Arc<Shared>, runtime: Arc<Runtime>) {
             q.driving = true;
         }
         let driving = std::pin::pin!(drive(&shared, &mut lanes));
-        runtime.block_on(Polling::new(driving, shared.spin));
+        runtime.block_on(Polling::new(driving, shared.spin, &shared.window));
     }
     // Let transfers still in their lanes finish before the runtime goes away.
     drop(lanes);

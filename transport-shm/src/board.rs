@@ -32,7 +32,7 @@
 //! ... + 128 + slot bytes slot 1: the same
 //! ```
 //!
-//! A waiter polls for the spin window (adapted as [`crate::window`] says), then sleeps on the futex word `wake`
+//! A waiter polls for the spin window (adapted as [`SpinWindow`] says), then sleeps on the futex word `wake`
 //! of the rank it waits for, after counting itself in `sleepers`; a rank that
 //! publishes wakes that word only when someone sleeps on it. Sleeps last at
 //! most [`SLICE`], after which the waiter checks that the peer's process
@@ -51,14 +51,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{frame::HEADER_LEN, Deadline, Error, FrameHeader, GroupMemory, Result, Spin, Store};
+use ccl_core::{
+    frame::HEADER_LEN, Deadline, Error, FrameHeader, GroupMemory, Result, Spin, SpinWindow, Store,
+};
 
 use nix::unistd::Pid;
 
 use crate::{
     cma::{self, Fault},
     segment::Segment,
-    window::SpinWindow,
 };
 
 const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD02");

@@ -22,7 +22,6 @@ mod cma;
 mod doorbell;
 mod link;
 mod segment;
-mod window;
 
 use std::{
     path::{Path, PathBuf},

@@ -41,7 +41,7 @@ use std::{
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
     AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
-    Reduction, Repoll, Result, Spin,
+    Reduction, Repoll, Result, Spin, SpinWindow,
 };
 use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
@@ -50,7 +50,6 @@ use crate::{
     cma::{self, Fault},
     doorbell::{Bell, Doorbell},
     segment::Segment,
-    window::SpinWindow,
 };
 
 /// Bytes before the rings.

@@ -1,4 +1,6 @@
-//! How long a waiter polls before it sleeps, adapted to how its waits end.
+//! How long a waiter polls before it sleeps, adapted to how its waits end:
+//! used by the shared-memory links and board, and by the thread that drives
+//! a communicator's runtime (the socket transports' waits).
 //!
 //! With a fixed window two ranks can fall into a lock-step that costs a
 //! wake-up on every message: when waking a sleeper takes longer than the
@@ -23,16 +25,17 @@ const SOON: u64 = 8;
 /// Each wait that ends in the spin takes this fraction of the growth away.
 const DECAY: u64 = 16;
 
-/// A spin window shared by the waits of one link or board (see the module docs).
+/// A spin window shared by the waits of one link, board or communicator (see
+/// the module docs).
 #[derive(Debug)]
-pub(crate) struct SpinWindow {
+pub struct SpinWindow {
     base_ns: u64,
     now_ns: AtomicU64,
 }
 
 impl SpinWindow {
     /// Starts at `base`; a zero `base` never spins.
-    pub(crate) fn new(base: Duration) -> SpinWindow {
+    pub fn new(base: Duration) -> SpinWindow {
         let base_ns = base.as_nanos().min(u64::MAX as u128) as u64;
         SpinWindow {
             base_ns,
@@ -41,12 +44,12 @@ impl SpinWindow {
     }
 
     /// How long the next wait polls.
-    pub(crate) fn get(&self) -> Duration {
+    pub fn get(&self) -> Duration {
         Duration::from_nanos(self.now_ns.load(Ordering::Relaxed))
     }
 
     /// A wait ended while polling: the window shrinks a little toward the base.
-    pub(crate) fn caught(&self) {
+    pub fn caught(&self) {
         let now = self.now_ns.load(Ordering::Relaxed);
         if now > self.base_ns {
             let less = ((now - self.base_ns) / DECAY).max(1);
@@ -56,7 +59,7 @@ impl SpinWindow {
 
     /// A wait ended after sleeping for `slept`: the window doubles if the
     /// sleep was short, and goes back to the base if it was long.
-    pub(crate) fn slept(&self, slept: Duration) {
+    pub fn slept(&self, slept: Duration) {
         let now = self.now_ns.load(Ordering::Relaxed);
         let slept = slept.as_nanos().min(u64::MAX as u128) as u64;
         let next = if slept < SOON.saturating_mul(now) {
