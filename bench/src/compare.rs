@@ -4,8 +4,9 @@
 //! For every size, each of `--rounds` rounds starts a fresh job of ccl and of
 //! every peer, one after the other, in an order rotated from round to round,
 //! so that a slow drift of a noisy machine hits all alike; the round with the
-//! median time counts for each. The memory bound (a plain copy and a plain
-//! `a += b`, on as many threads as ranks, placed as the ranks) is measured
+//! median time counts for each. The memory bound (a copy, plain or with
+//! streaming stores, and a plain `a += b`, on as many threads as ranks,
+//! placed as the ranks) is measured
 //! before and after the sweep, and the better of the two counts. One
 //! nccl-tests-style table gives every library's time and busbw per size, the
 //! best peer, ccl's busbw over the best peer's, and ccl's busbw over the
@@ -111,7 +112,7 @@ pub struct PeersReport {
     pub unix_time: u64,
 }
 
-const BOUND_DEFINITION: &str = "copy: dst.copy_from_slice(src), a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
+const BOUND_DEFINITION: &str = "copy: the faster of dst.copy_from_slice(src) and a copy with streaming stores, a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
 
 fn usage(msg: &str) -> i32 {
     eprintln!("ccl-bench: compare: {msg}");

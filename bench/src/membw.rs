@@ -1,6 +1,7 @@
 //! The machine's memory bound, measured in the same run as a comparison: a
-//! plain copy (`dst.copy_from_slice(src)`) and a plain `a += b` over f32,
-//! on as many threads as there are ranks, each pinned where that rank is.
+//! copy (the faster of `dst.copy_from_slice(src)` and a copy with streaming
+//! stores, [`ccl_core::kernels::copy_streaming`]) and a plain `a += b` over
+//! f32, on as many threads as there are ranks, each pinned where that rank is.
 //!
 //! Rates are aggregate over the threads and count the bytes of the
 //! destination per second (a copy of 64 MiB at 10 GB/s reads 64 MiB and
@@ -24,7 +25,8 @@ use crate::coll::Coll;
 /// One measurement of both kernels.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
 pub struct MemBw {
-    /// Bytes copied per second, all threads together (1e9).
+    /// Bytes copied per second, all threads together (1e9): the faster of a
+    /// plain copy and a streaming one.
     pub copy_gbps: f64,
     /// Bytes of `a` updated by `a += b` per second, all threads together (1e9).
     pub add_gbps: f64,
@@ -52,11 +54,19 @@ fn pin_current_thread(cpu: usize) {
     }
 }
 
+/// The kernels measured.
+#[derive(Clone, Copy)]
+enum Kernel {
+    Copy,
+    StreamingCopy,
+    Add,
+}
+
 /// Runs `kernel` on `threads` threads at once (thread t pinned to
 /// `cpus[t % len]` when `cpus` is not empty), each on its own buffers of
 /// `bytes`; returns the aggregate rate in GB/s of destination bytes, the best
 /// of [`REPS`] repetitions of [`PASSES`] passes.
-fn measure(threads: usize, cpus: &[usize], bytes: usize, add: bool) -> f64 {
+fn measure(threads: usize, cpus: &[usize], bytes: usize, kernel: Kernel) -> f64 {
     let elems = (bytes / 4).max(1);
     let barrier = Arc::new(Barrier::new(threads));
     let handles: Vec<_> = (0..threads)
@@ -76,12 +86,21 @@ fn measure(threads: usize, cpus: &[usize], bytes: usize, add: bool) -> f64 {
                     barrier.wait();
                     let t0 = Instant::now();
                     for _ in 0..PASSES {
-                        if add {
-                            for (a, b) in dst.iter_mut().zip(&src) {
-                                *a += *b;
+                        match kernel {
+                            Kernel::Add => {
+                                for (a, b) in dst.iter_mut().zip(&src) {
+                                    *a += *b;
+                                }
                             }
-                        } else {
-                            dst.copy_from_slice(&src);
+                            Kernel::Copy => dst.copy_from_slice(&src),
+                            Kernel::StreamingCopy => {
+                                let (to, from) = (
+                                    bytemuck::cast_slice_mut(&mut dst),
+                                    bytemuck::cast_slice(&src),
+                                );
+                                // Equal lengths: the one error cannot happen.
+                                let _ = ccl_core::kernels::copy_streaming(to, from);
+                            }
                         }
                         std::hint::black_box(&mut dst);
                     }
@@ -108,11 +127,13 @@ fn measure(threads: usize, cpus: &[usize], bytes: usize, add: bool) -> f64 {
         .fold(0f64, f64::max)
 }
 
-/// Measures copy and `a += b` on `threads` threads placed on `cpus`.
+/// Measures copy (plain and streaming, the faster counts) and `a += b` on
+/// `threads` threads placed on `cpus`.
 pub fn measure_both(threads: usize, cpus: &[usize], bytes: usize) -> MemBw {
+    let copy = measure(threads, cpus, bytes, Kernel::Copy);
     MemBw {
-        copy_gbps: measure(threads, cpus, bytes, false),
-        add_gbps: measure(threads, cpus, bytes, true),
+        copy_gbps: copy.max(measure(threads, cpus, bytes, Kernel::StreamingCopy)),
+        add_gbps: measure(threads, cpus, bytes, Kernel::Add),
     }
 }
 

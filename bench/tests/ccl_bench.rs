@@ -251,6 +251,65 @@ fn check_one(coll: &str, ranks: &str, dtype: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Calls whose outputs together reach 64 MiB, which the shared-memory board
+/// writes with streaming stores: every collective, in place and out of
+/// place, 2 and 3 ranks (uneven shares), checked.
+#[test]
+fn large_board_calls_with_streaming_stores_check_clean() {
+    for coll in [
+        "allreduce",
+        "broadcast",
+        "reduce",
+        "allgather",
+        "reduce-scatter",
+        "alltoall",
+        "gather",
+        "scatter",
+    ] {
+        for ranks in ["2", "3"] {
+            for inplace in [false, true] {
+                let (mark, _) = scratch("stream");
+                let mut args = vec![
+                    coll,
+                    "--size",
+                    "64MB",
+                    "--ranks",
+                    ranks,
+                    "--transport",
+                    "shm",
+                    "--root",
+                    "1",
+                    "--check",
+                    "--iters",
+                    "2",
+                    "--warmup",
+                    "0",
+                ];
+                if inplace {
+                    args.push("--inplace");
+                }
+                let out = run(&mark, &args);
+                let stdout = text(&out.stdout);
+                let what = format!("{coll} ranks {ranks} in place {inplace}");
+                assert!(
+                    out.status.success(),
+                    "{what}: {stdout}\n{}",
+                    text(&out.stderr)
+                );
+                assert!(
+                    stdout.contains("board"),
+                    "{what}: not on the board: {stdout}"
+                );
+                assert!(
+                    stdout.contains("# Out of bounds values : 0 OK"),
+                    "{what}: {stdout}"
+                );
+                assert_no_strays(&mark);
+            }
+        }
+    }
+}
+
 #[test]
 fn in_place_forms_check_clean() {
     for coll in [

@@ -87,6 +87,13 @@ pub trait GroupMemory: Send + Sync {
     /// stays valid and unchanged until it has read it.
     fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()>;
 
+    /// The smallest output of a call, summed over the ranks, that group
+    /// algorithms write with streaming stores, which bypass the caches
+    /// ([`crate::kernels::copy_streaming`]): an output that large is not
+    /// read again from a cache, and a streaming store does not first read
+    /// the line it writes. `usize::MAX`: never.
+    fn stream_min(&self) -> usize;
+
     /// Tells the other ranks that this rank gave up because of rank `blame`:
     /// those waiting for it fail at once, naming that rank.
     fn abort(&self, blame: usize);

@@ -22,6 +22,12 @@
 //! that want the result copy every other rank's share. Each byte is reduced
 //! once on the whole host, by one rank; per rank, (n−1)/n of the buffer is
 //! posted, 1/n reduced and (n−1)/n copied out, with no per-message hand-shake.
+//!
+//! Where the outputs of all ranks together reach the memory's
+//! [`GroupMemory::stream_min`] (64 MiB on the shared-memory board), every
+//! byte a rank writes into its output goes there with streaming stores,
+//! which do not first read the line they write: results are reduced in
+//! scratch that stays in the cache and streamed out from it.
 
 use std::time::Duration;
 
@@ -163,6 +169,7 @@ impl BoardCall<'_> {
             }
         };
         let in_place = std::ptr::eq(input.0, output.0);
+        let several = inputs.one().is_none();
         // SAFETY (for every slice below): the engine hands this call its
         // buffers alone. Each chunk of the input is read in full (posted)
         // before the same chunk of the output, which may be the same memory
@@ -172,11 +179,12 @@ impl BoardCall<'_> {
         let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
         let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
         let piece = (mem.slot_bytes() / blocks / es * es).max(es);
-        // Board-direct reduces into scratch where this rank has no output.
+        // Where this rank reduces into memory other than its output.
         let mut scratch = Vec::new();
         let deadline = Deadline::after(timeout);
+        let stream = streams(mem, need_out);
         if self.reads_directly(mem, part) {
-            return self.read_directly(mem, input, output, &deadline);
+            return self.read_directly(mem, input, output, stream, &deadline);
         }
         let mut off = 0;
         let mut step = u32::from(direct);
@@ -220,8 +228,13 @@ impl BoardCall<'_> {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
                     let (lo, hi) = share(me);
                     let wants = coll.kind == CollectiveKind::AllReduce || is_root;
+                    // The share is reduced straight into the output, or into
+                    // scratch where this rank has no output or streams it
+                    // out afterwards (the slot's copy is then made from scratch,
+                    // not read back from memory).
+                    let in_output = wants && !stream;
                     let mut mine: Vec<(usize, &mut [u8])> = Vec::new();
-                    if wants {
+                    if in_output {
                         // SAFETY: see above.
                         unsafe {
                             outputs.each(off + lo, hi - lo, |rel, p, l| {
@@ -230,17 +243,41 @@ impl BoardCall<'_> {
                         };
                     } else {
                         scratch.resize(hi - lo, 0);
+                        if several {
+                            // The share of an input of several buffers (in
+                            // place) is gathered from them.
+                            // SAFETY: see above.
+                            unsafe {
+                                inputs.each(off + lo, hi - lo, |rel, p, l| {
+                                    scratch[rel..rel + l].copy_from_slice(slice(p, l))
+                                })
+                            };
+                        }
                         mine.push((lo, &mut scratch[..]));
                     }
                     for (at, out) in &mut mine {
-                        // In place, this rank's share of the output already
-                        // holds its input; else the input lies in one buffer.
-                        let own = (!(wants && in_place)).then(|| inp(off + *at, out.len()));
+                        // Reduced from the input where it is one buffer;
+                        // else `out` holds the share already: the output in
+                        // place, or the scratch it was gathered into.
+                        let holds = if in_output { in_place } else { several };
+                        let own = (!holds).then(|| inp(off + *at, out.len()));
                         self.reduce_share(&round, me, n, len, out, own, *at..*at + out.len())?;
                     }
                     let results: Vec<(usize, &[u8])> =
                         mine.iter().map(|(at, out)| (*at, &**out)).collect();
                     round.post_reduced(&results)?;
+                    if wants && stream {
+                        let mut result = Ok(());
+                        // SAFETY: see above.
+                        unsafe {
+                            outputs.each(off + lo, hi - lo, |rel, to, l| {
+                                if result.is_ok() {
+                                    result = copy(slice_mut(to, l), &scratch[rel..rel + l], true);
+                                }
+                            })
+                        };
+                        result?;
+                    }
                     if wants {
                         for p in (0..n).filter(|&p| p != me) {
                             let (plo, phi) = share(p);
@@ -249,9 +286,9 @@ impl BoardCall<'_> {
                             unsafe {
                                 outputs.each(off + plo, phi - plo, |rel, to, l| {
                                     if result.is_ok() {
-                                        result = round
-                                            .read_reduced(p, plo + rel, l)
-                                            .map(|theirs| copy(slice_mut(to, l), theirs));
+                                        result = round.read_reduced(p, plo + rel, l).and_then(
+                                            |theirs| copy(slice_mut(to, l), theirs, stream),
+                                        );
                                     }
                                 })
                             };
@@ -259,31 +296,50 @@ impl BoardCall<'_> {
                         }
                     }
                 }
-                CollectiveKind::AllReduce => {
-                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
+                CollectiveKind::AllReduce => self.reduce_all(
+                    &round,
+                    (n, len),
+                    out(off, len),
+                    0..len,
+                    stream.then_some(&mut scratch),
+                )?,
+                CollectiveKind::Reduce if is_root => self.reduce_all(
+                    &round,
+                    (n, len),
+                    out(off, len),
+                    0..len,
+                    stream.then_some(&mut scratch),
+                )?,
+                CollectiveKind::ReduceScatter => self.reduce_all(
+                    &round,
+                    (n, n * len),
+                    out(off, len),
+                    me * len..(me + 1) * len,
+                    stream.then_some(&mut scratch),
+                )?,
+                CollectiveKind::Broadcast => {
+                    copy(out(off, len), round.read(coll.root, len)?, stream)?
                 }
-                CollectiveKind::Reduce if is_root => {
-                    self.reduce_all(&round, n, len, out(off, len), 0..len)?
-                }
-                CollectiveKind::ReduceScatter => {
-                    self.reduce_all(&round, n, n * len, out(off, len), me * len..(me + 1) * len)?
-                }
-                CollectiveKind::Broadcast => copy(out(off, len), round.read(coll.root, len)?),
                 CollectiveKind::Scatter => copy(
                     out(off, len),
                     &round.read(coll.root, n * len)?[me * len..(me + 1) * len],
-                ),
+                    stream,
+                )?,
                 CollectiveKind::AllGather | CollectiveKind::Gather
                     if coll.kind == CollectiveKind::AllGather || is_root =>
                 {
                     for r in 0..n {
-                        copy(out(r * part + off, len), round.read(r, len)?);
+                        copy(out(r * part + off, len), round.read(r, len)?, stream)?;
                     }
                 }
                 CollectiveKind::AllToAll => {
                     for r in 0..n {
                         let from = round.read(r, n * len)?;
-                        copy(out(r * part + off, len), &from[me * len..(me + 1) * len]);
+                        copy(
+                            out(r * part + off, len),
+                            &from[me * len..(me + 1) * len],
+                            stream,
+                        )?;
                     }
                 }
                 // Non-roots of reduce and gather only post; a barrier only
@@ -326,12 +382,14 @@ impl BoardCall<'_> {
     /// posts the address and length of its input, reads the blocks it
     /// needs out of the others' inputs straight into its output, says it is
     /// done (the round's second phase), and returns once every rank that
-    /// reads its input has said so.
+    /// reads its input has said so. With `stream`, what it copies itself
+    /// goes out with streaming stores.
     fn read_directly(
         &self,
         mem: &dyn GroupMemory,
         input: (*mut u8, usize),
         output: (*mut u8, usize),
+        stream: bool,
         deadline: &Deadline,
     ) -> Result<()> {
         let (call, coll) = (self.call, &self.call.coll);
@@ -360,7 +418,7 @@ impl BoardCall<'_> {
             _ => None,
         };
         if let Some((to, from)) = own {
-            copy(out(to, part), inp(from, part));
+            copy(out(to, part), inp(from, part), stream)?;
         }
         // What this rank reads of rank r: (block of r's input, where it goes
         // in the output).
@@ -417,7 +475,7 @@ impl BoardCall<'_> {
         }
         if !held.is_empty() {
             for r in (0..n).filter(|&r| r != me) {
-                copy(out(r * part, part), &held[r * part..(r + 1) * part]);
+                copy(out(r * part, part), &held[r * part..(r + 1) * part], stream)?;
             }
         }
         Ok(())
@@ -445,7 +503,7 @@ impl BoardCall<'_> {
         match others.next() {
             None => {
                 if let Some(own) = own {
-                    copy(out, own);
+                    copy(out, own, false)?;
                 }
             }
             Some(first) => {
@@ -460,20 +518,26 @@ impl BoardCall<'_> {
         kernels::finalize(coll.op, coll.dtype, out, n)
     }
 
-    /// `out = Σ_r posted_r[range]` in rank order, where every rank posted
-    /// `len` bytes, then the op's last step.
+    /// `out = Σ_r posted_r[range]` in rank order, where each of the `n`
+    /// ranks posted `len` bytes, then the op's last step; with `stream`,
+    /// reduced in that scratch and streamed to `out`.
     fn reduce_all(
         &self,
         round: &Round<'_>,
-        n: usize,
-        len: usize,
+        (n, len): (usize, usize),
         out: &mut [u8],
         range: std::ops::Range<usize>,
+        stream: Option<&mut Vec<u8>>,
     ) -> Result<()> {
+        if let Some(scratch) = stream {
+            scratch.resize(out.len(), 0);
+            self.reduce_all(round, (n, len), scratch, range, None)?;
+            return copy(out, scratch, true);
+        }
         let coll = &self.call.coll;
         let first = &round.read(0, len)?[range.clone()];
         if n == 1 {
-            copy(out, first);
+            copy(out, first, false)?;
         } else {
             let second = &round.read(1, len)?[range.clone()];
             kernels::reduce(coll.op, coll.dtype, out, Some(first), second)?;
@@ -532,11 +596,24 @@ impl Pieces<'_> {
     }
 }
 
-/// Copies unless source and destination are the same memory (in place).
-fn copy(to: &mut [u8], from: &[u8]) {
-    if to.as_ptr() != from.as_ptr() {
-        to.copy_from_slice(from);
+/// Copies unless source and destination are the same memory (in place);
+/// with `stream`, with stores that bypass the caches.
+fn copy(to: &mut [u8], from: &[u8], stream: bool) -> Result<()> {
+    if to.as_ptr() == from.as_ptr() {
+        return Ok(());
     }
+    if stream {
+        return kernels::copy_streaming(to, from);
+    }
+    to.copy_from_slice(from);
+    Ok(())
+}
+
+/// Whether a call of which this rank writes `output` bytes writes them
+/// with streaming stores: where the outputs of all ranks, taken as this
+/// rank's times the ranks, reach the memory's [`GroupMemory::stream_min`].
+fn streams(mem: &dyn GroupMemory, output: usize) -> bool {
+    output > 0 && mem.world_size().saturating_mul(output) >= mem.stream_min()
 }
 
 /// # Safety

@@ -28,6 +28,8 @@ struct Shared {
     slot_bytes: usize,
     /// What [`GroupMemory::direct_min`] answers.
     direct_min: Option<usize>,
+    /// What [`GroupMemory::stream_min`] answers.
+    stream_min: usize,
     /// `slots[rank][round % 2]`.
     slots: Vec<[Slot; 2]>,
     /// Rank that aborted, plus one, and whom it blamed.
@@ -53,8 +55,14 @@ pub(super) struct MemGroup {
 
 /// Group memory for `n` ranks with `slot_bytes` per slot, offering direct
 /// reads of blocks from `direct_min` bytes (ranks share this address
-/// space, so a direct read is a plain copy): one handle per rank.
-pub(super) fn group(n: usize, slot_bytes: usize, direct_min: Option<usize>) -> Vec<MemGroup> {
+/// space, so a direct read is a plain copy) and streaming stores for
+/// outputs from `stream_min` bytes: one handle per rank.
+pub(super) fn group(
+    n: usize,
+    slot_bytes: usize,
+    direct_min: Option<usize>,
+    stream_min: usize,
+) -> Vec<MemGroup> {
     let slot = || Slot {
         header: Mutex::new(None),
         payload: UnsafeCell::new(vec![0; slot_bytes]),
@@ -65,6 +73,7 @@ pub(super) fn group(n: usize, slot_bytes: usize, direct_min: Option<usize>) -> V
         n,
         slot_bytes,
         direct_min,
+        stream_min,
         slots: (0..n).map(|_| [slot(), slot()]).collect(),
         aborted: AtomicUsize::new(0),
         blamed: AtomicUsize::new(0),
@@ -251,6 +260,10 @@ impl GroupMemory for MemGroup {
 
     fn direct_min(&self) -> Option<usize> {
         self.shared.direct_min
+    }
+
+    fn stream_min(&self) -> usize {
+        self.shared.stream_min
     }
 
     fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()> {

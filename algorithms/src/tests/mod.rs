@@ -120,7 +120,8 @@ impl RankMemory {
 
 /// Runs one collective on every rank, as a schedule over `links` or, for a
 /// group algorithm, on group memory in the heap with ranks as threads (once
-/// through posts alone and once with direct reads, which must agree);
+/// through posts alone, once with direct reads and once writing every
+/// output with streaming stores, which must agree);
 /// returns each rank's output. A run that has not finished within a minute
 /// is a hang, and panics.
 fn run_on(
@@ -148,11 +149,11 @@ fn run_on(
     };
     let what = format!("{kind} {algorithm} n={n} count={count} root={root}");
     let limit = Duration::from_secs(60);
-    let on_group = |direct_min: Option<usize>| {
+    let on_group = |direct_min: Option<usize>, stream_min: usize| {
         let mut memory: Vec<RankMemory> = (0..n)
             .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
             .collect();
-        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min);
+        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, stream_min);
         let results = std::thread::scope(|s| {
             let running: Vec<_> = members
                 .iter()
@@ -170,9 +171,16 @@ fn run_on(
         outputs(&what, results, &memory)
     };
     if algorithm.on_group_memory() {
-        let posted = on_group(None);
-        let direct = on_group(Some(1));
+        let posted = on_group(None, usize::MAX);
+        let direct = on_group(Some(1), usize::MAX);
         assert!(posted == direct, "{what}: direct reads changed the results");
+        for direct_min in [None, Some(1)] {
+            let streamed = on_group(direct_min, 1);
+            assert!(
+                posted == streamed,
+                "{what}: streaming stores changed the results (direct reads {direct_min:?})"
+            );
+        }
         return posted;
     }
     let mut memory: Vec<RankMemory> = (0..n)

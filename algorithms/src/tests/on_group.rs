@@ -11,7 +11,16 @@ use crate::{group, Algorithm, IoBuffers};
 /// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
 /// as threads; returns each rank's result.
 fn on_group<T: Send>(n: usize, each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync) -> Vec<T> {
-    let members = mem_group::group(n, GROUP_SLOT_BYTES, None);
+    on_group_streaming(n, usize::MAX, each)
+}
+
+/// [`on_group`] on memory that streams outputs from `stream_min` bytes.
+fn on_group_streaming<T: Send>(
+    n: usize,
+    stream_min: usize,
+    each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
+) -> Vec<T> {
+    let members = mem_group::group(n, GROUP_SLOT_BYTES, None, stream_min);
     std::thread::scope(|s| {
         let each = &each;
         let running: Vec<_> = members
@@ -90,13 +99,17 @@ fn an_abort_on_group_memory_ends_the_waits() {
 }
 
 /// Board-direct allreduce in place on several buffers taken end to end (a
-/// bucket's tensors where they lie) reduces them as one buffer.
+/// bucket's tensors where they lie) reduces them as one buffer, its output
+/// written plainly or with streaming stores.
 #[test]
 fn board_direct_reduces_several_buffers_as_one() {
-    for n in [1, 2, 3, 5] {
+    for (n, stream_min) in [1, 2, 3, 5]
+        .into_iter()
+        .flat_map(|n| [(n, usize::MAX), (n, 1)])
+    {
         let sizes = [1usize, 0, 37, 5, 64, 2];
         let total: usize = sizes.iter().sum();
-        let outs = on_group(n, |rank, m| {
+        let outs = on_group_streaming(n, stream_min, |rank, m| {
             let mut bufs: Vec<Vec<u64>> = Vec::new();
             let mut at = 0;
             for &len in &sizes {
@@ -128,7 +141,7 @@ fn board_direct_reduces_several_buffers_as_one() {
         });
         let want: Vec<u64> = (0..total).map(|i| sum_at(n, i)).collect();
         for (rank, out) in outs.into_iter().enumerate() {
-            assert_eq!(out, want, "n={n} rank {rank}");
+            assert_eq!(out, want, "n={n} rank {rank} streaming from {stream_min}");
         }
     }
 }

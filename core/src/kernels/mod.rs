@@ -14,8 +14,11 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 use crate::{DataType, Error, ReduceOp, Result};
 
+mod stream;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use stream::copy_streaming;
 
 /// The binary combining step of an op (`Avg` and `PreMulSum` combine by summing).
 #[derive(Clone, Copy)]
