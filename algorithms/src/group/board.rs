@@ -182,7 +182,20 @@ impl BoardCall<'_> {
         // Where this rank reduces into memory other than its output.
         let mut scratch = Vec::new();
         let deadline = Deadline::after(timeout);
-        let stream = streams(mem, need_out);
+        // In place, the collectives that read their output as input find its
+        // lines in the cache, where a plain store is cheaper than a streaming one.
+        let overlap = several
+            || (input.0 as usize) < output.0 as usize + output.1
+                && (output.0 as usize) < input.0 as usize + input.1;
+        let reads_output = overlap
+            && matches!(
+                coll.kind,
+                CollectiveKind::AllReduce
+                    | CollectiveKind::Reduce
+                    | CollectiveKind::ReduceScatter
+                    | CollectiveKind::AllToAll
+            );
+        let stream = !reads_output && streams(mem, need_out);
         if self.reads_directly(mem, part) {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
@@ -317,8 +330,15 @@ impl BoardCall<'_> {
                     me * len..(me + 1) * len,
                     stream.then_some(&mut scratch),
                 )?,
+                // This rank's own block comes from its input, not back out of
+                // its post: in place it is where it belongs already, and a
+                // streaming store there would only evict it.
+                CollectiveKind::Broadcast if is_root => copy(out(off, len), inp(off, len), stream)?,
                 CollectiveKind::Broadcast => {
                     copy(out(off, len), round.read(coll.root, len)?, stream)?
+                }
+                CollectiveKind::Scatter if is_root => {
+                    copy(out(off, len), inp(me * part + off, len), stream)?
                 }
                 CollectiveKind::Scatter => copy(
                     out(off, len),
@@ -329,17 +349,20 @@ impl BoardCall<'_> {
                     if coll.kind == CollectiveKind::AllGather || is_root =>
                 {
                     for r in 0..n {
-                        copy(out(r * part + off, len), round.read(r, len)?, stream)?;
+                        let from = match r == me {
+                            true => inp(off, len),
+                            false => round.read(r, len)?,
+                        };
+                        copy(out(r * part + off, len), from, stream)?;
                     }
                 }
                 CollectiveKind::AllToAll => {
                     for r in 0..n {
-                        let from = round.read(r, n * len)?;
-                        copy(
-                            out(r * part + off, len),
-                            &from[me * len..(me + 1) * len],
-                            stream,
-                        )?;
+                        let from = match r == me {
+                            true => inp(me * part + off, len),
+                            false => &round.read(r, n * len)?[me * len..(me + 1) * len],
+                        };
+                        copy(out(r * part + off, len), from, stream)?;
                     }
                 }
                 // Non-roots of reduce and gather only post; a barrier only
