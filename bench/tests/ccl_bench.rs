@@ -152,21 +152,24 @@ fn allreduce_1mb_checks_clean() {
 }
 
 /// Every collective, 2 and 3 ranks, f32 and i32, a short sweep, every iteration checked.
+/// Every collective ccl-bench runs.
+const COLLECTIVES: [&str; 10] = [
+    "allreduce",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "reduce-scatter",
+    "alltoall",
+    "gather",
+    "scatter",
+    "sendrecv",
+    "barrier",
+];
+
 #[test]
 fn every_collective_checks_clean() {
     let mut jobs = Vec::new();
-    for coll in [
-        "allreduce",
-        "broadcast",
-        "reduce",
-        "allgather",
-        "reduce-scatter",
-        "alltoall",
-        "gather",
-        "scatter",
-        "sendrecv",
-        "barrier",
-    ] {
+    for coll in COLLECTIVES {
         for ranks in ["2", "3"] {
             for dtype in ["f32", "i32"] {
                 jobs.push((coll, ranks, dtype));
@@ -256,16 +259,10 @@ fn check_one(coll: &str, ranks: &str, dtype: &str) -> Result<(), String> {
 /// place, 2 and 3 ranks (uneven shares), checked.
 #[test]
 fn large_board_calls_with_streaming_stores_check_clean() {
-    for coll in [
-        "allreduce",
-        "broadcast",
-        "reduce",
-        "allgather",
-        "reduce-scatter",
-        "alltoall",
-        "gather",
-        "scatter",
-    ] {
+    for coll in COLLECTIVES
+        .into_iter()
+        .filter(|c| !["sendrecv", "barrier"].contains(c))
+    {
         for ranks in ["2", "3"] {
             for inplace in [false, true] {
                 let (mark, _) = scratch("stream");
@@ -893,17 +890,7 @@ fn tune_writes_a_table_the_tuner_reads() {
 /// its copy bandwidth in the header.
 #[test]
 fn device_buffers_check_clean_on_the_stand_in() {
-    for coll in [
-        "allreduce",
-        "broadcast",
-        "reduce",
-        "allgather",
-        "reduce-scatter",
-        "alltoall",
-        "gather",
-        "scatter",
-        "sendrecv",
-    ] {
+    for coll in COLLECTIVES.into_iter().filter(|&c| c != "barrier") {
         for (inplace, ipc) in [(false, "1"), (true, "1"), (false, "0"), (true, "0")] {
             if inplace && coll == "sendrecv" {
                 continue; // it has no in-place form

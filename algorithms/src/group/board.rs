@@ -309,20 +309,17 @@ impl BoardCall<'_> {
                         }
                     }
                 }
-                CollectiveKind::AllReduce => self.reduce_all(
-                    &round,
-                    (n, len),
-                    out(off, len),
-                    0..len,
-                    stream.then_some(&mut scratch),
-                )?,
-                CollectiveKind::Reduce if is_root => self.reduce_all(
-                    &round,
-                    (n, len),
-                    out(off, len),
-                    0..len,
-                    stream.then_some(&mut scratch),
-                )?,
+                CollectiveKind::AllReduce | CollectiveKind::Reduce
+                    if coll.kind == CollectiveKind::AllReduce || is_root =>
+                {
+                    self.reduce_all(
+                        &round,
+                        (n, len),
+                        out(off, len),
+                        0..len,
+                        stream.then_some(&mut scratch),
+                    )?
+                }
                 CollectiveKind::ReduceScatter => self.reduce_all(
                     &round,
                     (n, n * len),
