@@ -60,10 +60,17 @@ pub trait GroupMemory: Send + Sync {
         deadline: &Deadline,
     ) -> Result<&[u8]>;
 
-    /// The second phase of round `round`: writes `parts` at their offsets of
-    /// this rank's payload (ranges no peer reads in the first phase) and
-    /// publishes them.
-    fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()>;
+    /// The second phase of round `round`: lends bytes `offset..offset + len`
+    /// of this rank's payload (a range no peer reads in the first phase) to
+    /// `write`, which computes its result there, then publishes them. Where
+    /// `write` fails, nothing is published and its error is returned.
+    fn post_reduced(
+        &self,
+        round: u64,
+        offset: usize,
+        len: usize,
+        write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()>;
 
     /// Waits for rank `rank` to publish its second phase of round `round`
     /// and returns bytes `offset..offset + len` of its payload.

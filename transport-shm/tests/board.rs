@@ -87,7 +87,12 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
                         *s = s.wrapping_add(*g);
                     }
                 }
-                board.post_reduced(b, &[(rank * block, &sum[..])]).unwrap();
+                board
+                    .post_reduced(b, rank * block, block, &mut |part| {
+                        part.copy_from_slice(&sum);
+                        Ok(())
+                    })
+                    .unwrap();
                 // Phase 2: every rank's result.
                 for p in 0..n {
                     let want: u8 = (0..n).fold(0u8, |a, q| a.wrapping_add((q as u8) ^ round as u8));

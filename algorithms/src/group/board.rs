@@ -17,17 +17,19 @@
 //! [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
 //! (allreduce, reduce): a chunk is cut into n shares. Each rank posts the
 //! shares of the others, reduces its own share (1/n of the elements) from
-//! its input and every other rank's post, publishes the result in a second
-//! phase (in the place of its share, which it did not post), and the ranks
-//! that want the result copy every other rank's share. Each byte is reduced
-//! once on the whole host, by one rank; per rank, (n−1)/n of the buffer is
-//! posted, 1/n reduced and (n−1)/n copied out, with no per-message hand-shake.
+//! its input and every other rank's post into its slot, in the place of the
+//! share it did not post, and publishes it there (a second phase); the
+//! ranks that want the result copy every share out of the slots. Each byte
+//! is reduced once on the whole host, by one rank; per rank, (n−1)/n of the
+//! buffer is posted, 1/n reduced and all of it copied out, with no
+//! per-message hand-shake, and the output is written once.
 //!
 //! Where the outputs of all ranks together reach the memory's
 //! [`GroupMemory::stream_min`] (64 MiB on the shared-memory board), every
 //! byte a rank writes into its output goes there with streaming stores,
-//! which do not first read the line they write: results are reduced in
-//! scratch that stays in the cache and streamed out from it.
+//! which do not first read the line they write: results are computed where
+//! the cache holds them (a board-direct slot, else scratch) and streamed
+//! out from there.
 
 use std::time::Duration;
 
@@ -52,6 +54,15 @@ const SHARED_DIRECT_MAX: usize = 512 * 1024;
 /// through posts, a 64 MiB gather 14.9–16.3 against 13.5–13.9, and both
 /// were even or faster direct up to 8 MiB.
 const IDLE_SOURCE_DIRECT_MAX: usize = 8 << 20;
+
+/// The largest chunk of a board call, except board-direct's where the
+/// outputs reach [`GroupMemory::stream_min`] (those fill the slot: fewer
+/// rounds, each two waits on every rank). A chunk is posted and read back
+/// on the other ranks while it stays in the caches. On a 2-core VM, 1 MiB
+/// chunks instead made the broadcast of 8 and 64 MiB 3–14% slower at 2 and
+/// 4 ranks, and board-direct's allreduce of 2 MiB at 4 ranks 11% slower
+/// (medians of 3–6 alternating runs).
+const CHUNK_MAX: usize = 256 * 1024;
 
 /// One board call: the call and whether it runs as board-direct.
 pub(super) struct BoardCall<'a> {
@@ -178,8 +189,15 @@ impl BoardCall<'_> {
         // input block where its own output goes.
         let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
         let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
-        let piece = (mem.slot_bytes() / blocks / es * es).max(es);
-        // Where this rank reduces into memory other than its output.
+        // Outputs beyond the caches: written with streaming stores, and
+        // board-direct's chunks fill the slot.
+        let large = streams(mem, need_out);
+        let chunk = match direct && large {
+            true => mem.slot_bytes(),
+            false => mem.slot_bytes().min(CHUNK_MAX),
+        };
+        let piece = (chunk / blocks / es * es).max(es);
+        // Where a reduction to be streamed out is computed first.
         let mut scratch = Vec::new();
         let deadline = Deadline::after(timeout);
         // In place, the collectives that read their output as input find its
@@ -195,7 +213,7 @@ impl BoardCall<'_> {
                     | CollectiveKind::ReduceScatter
                     | CollectiveKind::AllToAll
             );
-        let stream = !reads_output && streams(mem, need_out);
+        let stream = !reads_output && large;
         if self.reads_directly(mem, part) {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
@@ -241,72 +259,59 @@ impl BoardCall<'_> {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
                     let (lo, hi) = share(me);
                     let wants = coll.kind == CollectiveKind::AllReduce || is_root;
-                    // The share is reduced straight into the output, or into
-                    // scratch where this rank has no output or streams it
-                    // out afterwards (the slot's copy is then made from scratch,
-                    // not read back from memory).
+                    // A result that is not streamed out is reduced straight
+                    // into the output and published as a copy. Otherwise
+                    // it is reduced in this rank's slot, in the place of the
+                    // share it did not post, and copied out from there.
                     let in_output = wants && !stream;
-                    let mut mine: Vec<(usize, &mut [u8])> = Vec::new();
-                    if in_output {
-                        // SAFETY: see above.
-                        unsafe {
-                            outputs.each(off + lo, hi - lo, |rel, p, l| {
-                                mine.push((lo + rel, slice_mut(p, l)))
-                            })
-                        };
-                    } else {
-                        scratch.resize(hi - lo, 0);
-                        if several {
+                    round.post_reduced(lo, hi - lo, &mut |slot| {
+                        if in_output {
+                            let mut mine = Vec::new();
+                            // SAFETY: see above.
+                            unsafe {
+                                outputs.each(off + lo, hi - lo, |rel, p, l| {
+                                    mine.push((rel, slice_mut(p, l)))
+                                })
+                            };
+                            for (rel, out) in mine {
+                                // In place the output holds the input's share.
+                                let own = (!in_place).then(|| inp(off + lo + rel, out.len()));
+                                let range = lo + rel..lo + rel + out.len();
+                                self.reduce_share(&round, me, n, len, out, own, range)?;
+                                slot[rel..rel + out.len()].copy_from_slice(out);
+                            }
+                            return Ok(());
+                        }
+                        let own = if several {
                             // The share of an input of several buffers (in
-                            // place) is gathered from them.
+                            // place) is gathered from them first.
                             // SAFETY: see above.
                             unsafe {
                                 inputs.each(off + lo, hi - lo, |rel, p, l| {
-                                    scratch[rel..rel + l].copy_from_slice(slice(p, l))
+                                    slot[rel..rel + l].copy_from_slice(slice(p, l))
                                 })
                             };
-                        }
-                        mine.push((lo, &mut scratch[..]));
-                    }
-                    for (at, out) in &mut mine {
-                        // Reduced from the input where it is one buffer;
-                        // else `out` holds the share already: the output in
-                        // place, or the scratch it was gathered into.
-                        let holds = if in_output { in_place } else { several };
-                        let own = (!holds).then(|| inp(off + *at, out.len()));
-                        self.reduce_share(&round, me, n, len, out, own, *at..*at + out.len())?;
-                    }
-                    let results: Vec<(usize, &[u8])> =
-                        mine.iter().map(|(at, out)| (*at, &**out)).collect();
-                    round.post_reduced(&results)?;
-                    if wants && stream {
+                            None
+                        } else {
+                            Some(inp(off + lo, hi - lo))
+                        };
+                        self.reduce_share(&round, me, n, len, slot, own, lo..hi)
+                    })?;
+                    // Every share not in the output yet, from the slots.
+                    for p in (0..n).filter(|&p| wants && (p != me || !in_output)) {
+                        let (plo, phi) = share(p);
                         let mut result = Ok(());
                         // SAFETY: see above.
                         unsafe {
-                            outputs.each(off + lo, hi - lo, |rel, to, l| {
+                            outputs.each(off + plo, phi - plo, |rel, to, l| {
                                 if result.is_ok() {
-                                    result = copy(slice_mut(to, l), &scratch[rel..rel + l], true);
+                                    result = round
+                                        .read_reduced(p, plo + rel, l)
+                                        .and_then(|theirs| copy(slice_mut(to, l), theirs, stream));
                                 }
                             })
                         };
                         result?;
-                    }
-                    if wants {
-                        for p in (0..n).filter(|&p| p != me) {
-                            let (plo, phi) = share(p);
-                            let mut result = Ok(());
-                            // SAFETY: see above.
-                            unsafe {
-                                outputs.each(off + plo, phi - plo, |rel, to, l| {
-                                    if result.is_ok() {
-                                        result = round.read_reduced(p, plo + rel, l).and_then(
-                                            |theirs| copy(slice_mut(to, l), theirs, stream),
-                                        );
-                                    }
-                                })
-                            };
-                            result?;
-                        }
                     }
                 }
                 CollectiveKind::AllReduce | CollectiveKind::Reduce
@@ -484,7 +489,7 @@ impl BoardCall<'_> {
             };
             mem.read_direct(r, addr + from, to)?;
         }
-        round.post_reduced(&[])?;
+        round.post_reduced(0, 0, &mut |_| Ok(()))?;
         let readers = |r: usize| match coll.kind {
             CollectiveKind::Broadcast | CollectiveKind::Scatter => me == root,
             CollectiveKind::Gather => r == root,

@@ -101,9 +101,15 @@ impl<'a> Round<'a> {
             .read(self.number, r, &self.header, len, self.deadline)
     }
 
-    /// Publishes this rank's second phase.
-    fn post_reduced(&self, parts: &[(usize, &[u8])]) -> Result<()> {
-        self.mem.post_reduced(self.number, parts)
+    /// Publishes this rank's second phase: bytes `offset..offset + len` of
+    /// its payload, which `write` fills.
+    fn post_reduced(
+        &self,
+        offset: usize,
+        len: usize,
+        write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        self.mem.post_reduced(self.number, offset, len, write)
     }
 
     /// Bytes `offset..offset + len` of rank `r`'s second phase.

@@ -234,8 +234,21 @@ impl GroupMemory for MemGroup {
         self.payload(rank, round, 0, len)
     }
 
-    fn post_reduced(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
-        self.write(round, parts)?;
+    fn post_reduced(
+        &self,
+        round: u64,
+        offset: usize,
+        len: usize,
+        write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<()> {
+        let slot = self.slot(self.rank, round);
+        // SAFETY: this rank's own payload, whose range `offset..offset +
+        // len` nobody reads until the publication that follows (see `Shared`).
+        let payload = unsafe { &mut *slot.payload.get() };
+        let part = payload.get_mut(offset..offset + len).ok_or_else(|| {
+            Error::Internal(format!("bytes {offset}..{} outside the slot", offset + len))
+        })?;
+        write(part)?;
         self.slot(self.rank, round)
             .reduced
             .store(round, Ordering::Release);
