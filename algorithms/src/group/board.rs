@@ -9,9 +9,10 @@
 //! Chunk `c` covers the same bytes `c·piece..` of every block.
 //!
 //! [`Algorithm::Board`](crate::Algorithm::Board): each rank posts
-//! its chunk once, reads what it needs from the others' posts, and computes
-//! its result locally (a reduction in rank order, so every rank gets the
-//! same bits). Every rank also checks every other rank's header, so that a
+//! its chunk once (of n blocks, all but its own, which it takes from its
+//! input), reads what it needs from the others' posts, and computes its
+//! result locally (a reduction in rank order, so every rank gets the same
+//! bits; a reduce-scatter's block starts from the rank's own input). Every rank also checks every other rank's header, so that a
 //! rank that made another call is a mismatch, never a silent success.
 //!
 //! [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
@@ -244,7 +245,10 @@ impl BoardCall<'_> {
                 // The common case, without an allocation per round.
                 round.post(inp(off, len))?;
             } else if self.posts(me) {
+                // Of n blocks (reduce-scatter, all-to-all, scatter), a rank
+                // takes its own from its input: it posts the others.
                 let parts: Vec<(usize, &[u8])> = (0..blocks)
+                    .filter(|&b| b != me)
                     .map(|b| (b * len, inp(b * part + off, len)))
                     .collect();
                 round.post_at(blocks * len, &parts)?;
@@ -317,21 +321,25 @@ impl BoardCall<'_> {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce
                     if coll.kind == CollectiveKind::AllReduce || is_root =>
                 {
-                    self.reduce_all(
-                        &round,
-                        (n, len),
-                        out(off, len),
-                        0..len,
-                        stream.then_some(&mut scratch),
-                    )?
+                    self.reduce_all(&round, n, out(off, len), stream.then_some(&mut scratch))?
                 }
-                CollectiveKind::ReduceScatter => self.reduce_all(
-                    &round,
-                    (n, n * len),
-                    out(off, len),
-                    me * len..(me + 1) * len,
-                    stream.then_some(&mut scratch),
-                )?,
+                CollectiveKind::ReduceScatter => {
+                    // This rank's block from its input and the others' posts;
+                    // in place the output holds it already.
+                    let at = me * part + off;
+                    let range = me * len..(me + 1) * len;
+                    if stream {
+                        scratch.resize(len, 0);
+                        let own = Some(inp(at, len));
+                        self.reduce_share(&round, me, n, n * len, &mut scratch, own, range)?;
+                        copy(out(off, len), &scratch, true)?;
+                    } else {
+                        let holds =
+                            std::ptr::eq(input.0.wrapping_add(at), output.0.wrapping_add(off));
+                        let own = (!holds).then(|| inp(at, len));
+                        self.reduce_share(&round, me, n, n * len, out(off, len), own, range)?;
+                    }
+                }
                 // This rank's own block comes from its input, not back out of
                 // its post: in place it is where it belongs already, and a
                 // streaming store there would only evict it.
@@ -506,12 +514,13 @@ impl BoardCall<'_> {
         Ok(())
     }
 
-    /// Board-direct's reduction of this rank's share: `out = own ⊕ posted_r[range]`
-    /// over the other ranks in rank order (`own`: this rank's input share;
-    /// `None`: `out` holds it already), where every rank posted `len`
-    /// bytes, then the op's last step. Every op is commutative, so the
-    /// reduction may start from this rank's input; one rank alone reduces
-    /// each share, so every rank gets the same bits.
+    /// The reduction of a share that this rank alone reduces (board-direct,
+    /// reduce-scatter): `out = own ⊕ posted_r[range]` over the other ranks
+    /// in rank order (`own`: this rank's input share; `None`: `out` holds
+    /// it already), where every rank posted `len` bytes, then the op's
+    /// last step. Every op is commutative, so the reduction may start from
+    /// this rank's input; one rank alone reduces each share, so every rank
+    /// gets the same bits.
     #[allow(clippy::too_many_arguments)]
     fn reduce_share(
         &self,
@@ -543,38 +552,30 @@ impl BoardCall<'_> {
         kernels::finalize(coll.op, coll.dtype, out, n)
     }
 
-    /// `out = Σ_r posted_r[range]` in rank order, where each of the `n`
-    /// ranks posted `len` bytes, then the op's last step; with `stream`,
+    /// `out = Σ_r posted_r` in rank order, where each of the `n` ranks
+    /// posted `out.len()` bytes, then the op's last step; with `stream`,
     /// reduced in that scratch and streamed to `out`.
     fn reduce_all(
         &self,
         round: &Round<'_>,
-        (n, len): (usize, usize),
+        n: usize,
         out: &mut [u8],
-        range: std::ops::Range<usize>,
         stream: Option<&mut Vec<u8>>,
     ) -> Result<()> {
         if let Some(scratch) = stream {
             scratch.resize(out.len(), 0);
-            self.reduce_all(round, (n, len), scratch, range, None)?;
+            self.reduce_all(round, n, scratch, None)?;
             return copy(out, scratch, true);
         }
-        let coll = &self.call.coll;
-        let first = &round.read(0, len)?[range.clone()];
+        let (coll, len) = (&self.call.coll, out.len());
+        let first = round.read(0, len)?;
         if n == 1 {
             copy(out, first, false)?;
         } else {
-            let second = &round.read(1, len)?[range.clone()];
-            kernels::reduce(coll.op, coll.dtype, out, Some(first), second)?;
+            kernels::reduce(coll.op, coll.dtype, out, Some(first), round.read(1, len)?)?;
         }
         for r in 2..n {
-            kernels::reduce(
-                coll.op,
-                coll.dtype,
-                out,
-                None,
-                &round.read(r, len)?[range.clone()],
-            )?;
+            kernels::reduce(coll.op, coll.dtype, out, None, round.read(r, len)?)?;
         }
         kernels::finalize(coll.op, coll.dtype, out, n)
     }
