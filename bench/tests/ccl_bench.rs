@@ -256,13 +256,16 @@ fn check_one(coll: &str, ranks: &str, dtype: &str) -> Result<(), String> {
 
 /// Calls whose outputs together reach 64 MiB, which the shared-memory board
 /// writes with streaming stores: every collective, in place and out of
-/// place, 2 and 3 ranks (uneven shares), checked.
+/// place, 2 and 3 ranks (uneven shares), checked; reduce also as
+/// board-direct, where only the root has an output.
 #[test]
 fn large_board_calls_with_streaming_stores_check_clean() {
-    for coll in COLLECTIVES
+    let jobs = COLLECTIVES
         .into_iter()
         .filter(|c| !["sendrecv", "barrier"].contains(c))
-    {
+        .map(|c| (c, "auto"))
+        .chain([("reduce", "board-direct")]);
+    for (coll, algo) in jobs {
         for ranks in ["2", "3"] {
             for inplace in [false, true] {
                 let (mark, _) = scratch("stream");
@@ -276,6 +279,8 @@ fn large_board_calls_with_streaming_stores_check_clean() {
                     "shm",
                     "--root",
                     "1",
+                    "--algo",
+                    algo,
                     "--check",
                     "--iters",
                     "2",
@@ -287,7 +292,7 @@ fn large_board_calls_with_streaming_stores_check_clean() {
                 }
                 let out = run(&mark, &args);
                 let stdout = text(&out.stdout);
-                let what = format!("{coll} ranks {ranks} in place {inplace}");
+                let what = format!("{coll} ({algo}) ranks {ranks} in place {inplace}");
                 assert!(
                     out.status.success(),
                     "{what}: {stdout}\n{}",

@@ -190,9 +190,11 @@ impl BoardCall<'_> {
         // input block where its own output goes.
         let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
         let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
-        // Outputs beyond the caches: written with streaming stores, and
-        // board-direct's chunks fill the slot.
-        let large = streams(mem, need_out);
+        // Outputs beyond the caches: board-direct's chunks fill the slot, a
+        // 2-rank allgather goes through posts, and outputs are written with
+        // streaming stores. Chunks and paths must agree on every rank, so
+        // this goes by the root's output (a reduce's other ranks have none).
+        let large = streams(mem, self.needs(coll.root, n).1);
         let chunk = match direct && large {
             true => mem.slot_bytes(),
             false => mem.slot_bytes().min(CHUNK_MAX),
@@ -214,7 +216,7 @@ impl BoardCall<'_> {
                     | CollectiveKind::ReduceScatter
                     | CollectiveKind::AllToAll
             );
-        let stream = !reads_output && large;
+        let stream = !reads_output && need_out > 0 && large;
         if self.reads_directly(mem, part, large) {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
@@ -641,9 +643,9 @@ fn copy(to: &mut [u8], from: &[u8], stream: bool) -> Result<()> {
     Ok(())
 }
 
-/// Whether a call of which this rank writes `output` bytes writes them
-/// with streaming stores: where the outputs of all ranks, taken as this
-/// rank's times the ranks, reach the memory's [`GroupMemory::stream_min`].
+/// Whether a call whose ranks write `output` bytes each is large: where
+/// their outputs together, taken as `output` times the ranks, reach the
+/// memory's [`GroupMemory::stream_min`].
 fn streams(mem: &dyn GroupMemory, output: usize) -> bool {
     output > 0 && mem.world_size().saturating_mul(output) >= mem.stream_min()
 }

@@ -1,5 +1,5 @@
-//! Group memory beyond results: mismatched calls, aborts, and board-direct
-//! on several buffers taken end to end.
+//! Group memory beyond results: mismatched calls, aborts, board-direct on
+//! several buffers taken end to end, and large calls on a large slot.
 
 use std::time::Duration;
 
@@ -20,7 +20,17 @@ fn on_group_streaming<T: Send>(
     stream_min: usize,
     each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
 ) -> Vec<T> {
-    let members = mem_group::group(n, GROUP_SLOT_BYTES, None, stream_min);
+    on_slots(n, GROUP_SLOT_BYTES, stream_min, each)
+}
+
+/// [`on_group_streaming`] with slots of `slot_bytes`.
+fn on_slots<T: Send>(
+    n: usize,
+    slot_bytes: usize,
+    stream_min: usize,
+    each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
+) -> Vec<T> {
+    let members = mem_group::group(n, slot_bytes, None, stream_min);
     std::thread::scope(|s| {
         let each = &each;
         let running: Vec<_> = members
@@ -142,6 +152,54 @@ fn board_direct_reduces_several_buffers_as_one() {
         let want: Vec<u64> = (0..total).map(|i| sum_at(n, i)).collect();
         for (rank, out) in outs.into_iter().enumerate() {
             assert_eq!(out, want, "n={n} rank {rank} streaming from {stream_min}");
+        }
+    }
+}
+
+/// Calls whose outputs reach `stream_min` chunk otherwise than smaller ones
+/// where the slot is larger than other calls' chunks (board-direct fills
+/// it, as on the shared-memory board): every rank must chunk alike, also
+/// the ranks of a reduce that have no output.
+#[test]
+fn large_calls_chunk_alike_on_every_rank() {
+    let (n, count) = (3, 300_000);
+    for (kind, root) in [
+        (CollectiveKind::AllReduce, 0),
+        (CollectiveKind::Reduce, 0),
+        (CollectiveKind::Reduce, 1),
+    ] {
+        let outs = on_slots(n, 1 << 20, 1, |rank, m| {
+            let input: Vec<u64> = (0..count).map(|i| val(rank, i)).collect();
+            let wants = kind == CollectiveKind::AllReduce || rank == root;
+            let mut output = vec![0u64; if wants { count } else { 0 }];
+            let io = IoBuffers::host(
+                bytemuck::cast_slice(&input),
+                bytemuck::cast_slice_mut(&mut output),
+            );
+            let mut coll = Collective::new(kind, DataType::U64, count);
+            coll.root = root;
+            let call = Call {
+                comm: 1,
+                seq: 0,
+                rank,
+                world_size: n,
+                coll,
+            };
+            let run = group::run(
+                Algorithm::BoardDirect,
+                m,
+                &call,
+                &io,
+                Duration::from_secs(20),
+            );
+            run.map(|()| output)
+        });
+        let want: Vec<u64> = (0..count).map(|i| sum_at(n, i)).collect();
+        for (rank, out) in outs.into_iter().enumerate() {
+            let out = out.unwrap_or_else(|e| panic!("{kind} root {root}, rank {rank}: {e}"));
+            if kind == CollectiveKind::AllReduce || rank == root {
+                assert_eq!(out, want, "{kind} root {root}, rank {rank}");
+            }
         }
     }
 }
