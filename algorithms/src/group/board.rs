@@ -12,18 +12,20 @@
 //! its chunk once (of n blocks, all but its own, which it takes from its
 //! input), reads what it needs from the others' posts, and computes its
 //! result locally (a reduction in rank order, so every rank gets the same
-//! bits; a reduce-scatter's block starts from the rank's own input). Every rank also checks every other rank's header, so that a
-//! rank that made another call is a mismatch, never a silent success.
+//! bits; a reduce-scatter's block starts from the rank's own input). Every
+//! rank also checks every other rank's header, so that a rank that made
+//! another call is a mismatch, never a silent success.
 //!
 //! [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
 //! (allreduce, reduce): a chunk is cut into n shares. Each rank posts the
 //! shares of the others, reduces its own share (1/n of the elements) from
-//! its input and every other rank's post into its slot, in the place of the
-//! share it did not post, and publishes it there (a second phase); the
-//! ranks that want the result copy every share out of the slots. Each byte
-//! is reduced once on the whole host, by one rank; per rank, (n−1)/n of the
-//! buffer is posted, 1/n reduced and all of it copied out, with no
-//! per-message hand-shake, and the output is written once.
+//! its input and every other rank's post, publishes the result in its slot,
+//! in the place of the share it did not post (a second phase), and the
+//! ranks that want the result copy the others' shares out of the slots.
+//! Each byte is reduced once on the whole host, by one rank; per rank,
+//! (n−1)/n of the buffer is posted, 1/n reduced and (n−1)/n copied out,
+//! with no per-message hand-shake. Where the output is streamed (below),
+//! the share is reduced right in the slot, and copied out with the others.
 //!
 //! Where the outputs of all ranks together reach the memory's
 //! [`GroupMemory::stream_min`] (64 MiB on the shared-memory board), every
