@@ -14,12 +14,9 @@ use ccl_core::{
 };
 
 use crate::{
-    engine::{Before, Job, Plan},
+    engine::{Before, Done, Job, Plan},
     Communicator,
 };
-
-/// What a job calls once it no longer touches its memory.
-pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// The "kernels" of GPU memory that a link moves as it is (GPUDirect RDMA):
 /// a transfer's buffers carry their kind to the link, and nothing here may
@@ -160,17 +157,18 @@ impl Communicator {
                 return result;
             }
         }
-        let (work, completer) = work_pair::<()>();
         let Prepared { io, scaled } = prepared;
-        self.submit(
-            coll,
-            choice,
-            io,
-            None,
-            Box::new(move |r| completer.complete(r)),
-            true,
-        );
-        let result = work.wait();
+        let make = self.job(coll, choice, io, None)?;
+        let result = match inner.engine.run_now(make) {
+            Ok(result) => result,
+            Err(make) => {
+                let (work, completer) = work_pair::<()>();
+                inner
+                    .engine
+                    .submit(|| make(Box::new(move |r| completer.complete(r))));
+                work.wait()
+            }
+        };
         drop(scaled);
         result
     }
@@ -245,7 +243,7 @@ impl Communicator {
             completer.complete(r.map(|()| finish()))
         });
         let choice = self.inner.selection.choice(coll);
-        self.submit(coll, choice, io, None, done, false);
+        self.submit(coll, choice, io, None, done);
         work
     }
 
@@ -370,10 +368,9 @@ impl Communicator {
         call
     }
 
-    /// Plans `coll` with `choice` and hands it to the engine, which runs it
-    /// on this thread (`inline`, when nothing is queued) or queues it;
-    /// it runs `before` first (if any), and `done` gets the result once
-    /// `io` is no longer touched.
+    /// Plans `coll` with `choice` and queues it for the engine, which runs
+    /// `before` first (if any); `done` gets the result once `io` is no
+    /// longer touched.
     pub(crate) fn submit(
         &self,
         coll: &Collective,
@@ -381,25 +378,34 @@ impl Communicator {
         io: IoBuffers<'static>,
         before: Option<Before>,
         done: Done,
-        inline: bool,
     ) {
-        let plan = match self.inner.selection.plan(coll, choice, io.layout()) {
-            Ok(p) => p,
-            Err(e) => return done(Err(e)),
-        };
+        match self.job(coll, choice, io, before) {
+            Ok(make) => self.inner.engine.submit(|| make(done)),
+            Err(e) => done(Err(e)),
+        }
+    }
+
+    /// Plans `coll` with `choice`; what makes its job, given what receives
+    /// the result. Making it takes the call's sequence number, so the engine
+    /// does that under its queue lock.
+    fn job<'s>(
+        &'s self,
+        coll: &'s Collective,
+        choice: Choice,
+        io: IoBuffers<'static>,
+        before: Option<Before>,
+    ) -> Result<impl FnOnce(Done) -> Job + 's> {
+        let plan = self.inner.selection.plan(coll, choice, io.layout())?;
         let deadline = self.timeout();
-        self.inner.engine.submit(
-            || Job {
-                plan,
-                call: self.next_call(coll, choice),
-                io,
-                deadline,
-                lane: None,
-                before,
-                done,
-            },
-            inline,
-        );
+        Ok(move |done| Job {
+            plan,
+            call: self.next_call(coll, choice),
+            io,
+            deadline,
+            lane: None,
+            before,
+            done,
+        })
     }
 
     /// Queues a point-to-point transfer of `mem` (`send`: to `peer`, else
@@ -480,18 +486,15 @@ impl Communicator {
                 coll,
             }
         };
-        inner.engine.submit(
-            || Job {
-                plan: Plan::Schedule(schedule),
-                call: next_call(),
-                io,
-                deadline,
-                lane: Some((peer, send)),
-                before,
-                done,
-            },
-            false,
-        );
+        inner.engine.submit(|| Job {
+            plan: Plan::Schedule(schedule),
+            call: next_call(),
+            io,
+            deadline,
+            lane: Some((peer, send)),
+            before,
+            done,
+        });
     }
 
     /// Whether an allreduce of `count` elements of `dtype` runs on group
@@ -550,7 +553,7 @@ impl Communicator {
         let io = IoBuffers::pieces_in_place(pieces, &HOST_KERNELS);
         let (work, completer) = work_pair();
         let done: Done = Box::new(move |r| completer.complete(r.map(|()| finish())));
-        self.submit(&coll, Algorithm::BoardDirect.into(), io, None, done, false);
+        self.submit(&coll, Algorithm::BoardDirect.into(), io, None, done);
         work
     }
 }

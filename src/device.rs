@@ -747,7 +747,7 @@ impl Communicator {
                     drop(scaled);
                     done(result)
                 });
-                self.submit(coll, choice, io, Some(before), done, false);
+                self.submit(coll, choice, io, Some(before), done);
             }
             Err(e) => done(Err(e)),
         }

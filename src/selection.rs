@@ -25,7 +25,15 @@ pub(crate) struct Selection {
     tuner: Tuner,
     /// Largest piece a schedule moves at once, unless the choice says.
     piece_bytes: usize,
-    schedules: Mutex<HashMap<ScheduleKey, Arc<Schedule>>>,
+    schedules: Mutex<Schedules>,
+}
+
+/// Schedules kept for repeated calls, and the last one used apart: a loop
+/// repeats one call, whose key is compared rather than hashed.
+#[derive(Default)]
+struct Schedules {
+    last: Option<(ScheduleKey, Arc<Schedule>)>,
+    all: HashMap<ScheduleKey, Arc<Schedule>>,
 }
 
 impl Selection {
@@ -36,7 +44,7 @@ impl Selection {
             world_size,
             tuner,
             piece_bytes: class.piece_bytes,
-            schedules: Mutex::new(HashMap::new()),
+            schedules: Mutex::default(),
         }
     }
 
@@ -65,19 +73,26 @@ impl Selection {
             layout,
         );
         let mut cache = self.schedules.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = cache.get(&key) {
+        if let Some((_, s)) = cache.last.as_ref().filter(|(k, _)| *k == key) {
             return Ok(Plan::Schedule(s.clone()));
         }
-        let piece = choice.piece_bytes.unwrap_or(self.piece_bytes) / coll.dtype.size();
-        let schedule = choice
-            .algorithm
-            .schedule(coll, self.rank, self.world_size, piece.max(1), layout)
-            .map_err(Error::Internal)?;
-        let schedule = Arc::new(schedule);
-        if cache.len() >= SCHEDULE_CACHE {
-            cache.clear();
-        }
-        cache.insert(key, schedule.clone());
+        let schedule = match cache.all.get(&key) {
+            Some(s) => s.clone(),
+            None => {
+                let piece = choice.piece_bytes.unwrap_or(self.piece_bytes) / coll.dtype.size();
+                let schedule = choice
+                    .algorithm
+                    .schedule(coll, self.rank, self.world_size, piece.max(1), layout)
+                    .map_err(Error::Internal)?;
+                let schedule = Arc::new(schedule);
+                if cache.all.len() >= SCHEDULE_CACHE {
+                    cache.all.clear();
+                }
+                cache.all.insert(key, schedule.clone());
+                schedule
+            }
+        };
+        cache.last = Some((key, schedule.clone()));
         Ok(Plan::Schedule(schedule))
     }
 }

@@ -17,16 +17,6 @@ const ABORT_RECORD_DEADLINE: Duration = Duration::from_secs(2);
 const ABORT_KEY: &str = "abort";
 
 impl Shared {
-    /// Hands `result` to `done`; a failure first breaks the communicator
-    /// (recorded in the store, every peer told).
-    pub(super) async fn finish(
-        &self,
-        done: Box<dyn FnOnce(Result<()>) + Send>,
-        result: Result<()>,
-    ) {
-        done(self.settle(result).await);
-    }
-
     /// The result a call reports: a failure first breaks the communicator
     /// (recorded in the store, every peer told).
     pub(super) async fn settle(&self, result: Result<()>) -> Result<()> {

@@ -107,8 +107,11 @@ pub(crate) struct Job {
     /// Its error is the job's.
     pub before: Option<Before>,
     /// Receives the result once the schedule no longer touches `io`.
-    pub done: Box<dyn FnOnce(Result<()>) + Send>,
+    pub done: Done,
 }
+
+/// What receives a job's result.
+pub(crate) type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// What waits to run, and whether some thread is driving the runtime.
 #[derive(Default)]
@@ -196,22 +199,30 @@ impl Shared {
         (job.done)(Err(self.broken_error()));
     }
 
-    /// Runs one job to completion (or failure), breaking the communicator on error.
+    /// Runs one job to completion (or failure), breaking the communicator
+    /// on error, and hands the result to the job's `done`.
     async fn run(&self, mut job: Job, scratch: &mut Option<Scratch>) {
+        let done = std::mem::replace(&mut job.done, Box::new(|_| ()));
+        done(self.outcome(job, scratch).await);
+    }
+
+    /// Runs one job to completion (or failure), breaking the communicator
+    /// on error; its result (the job's `done` is not called).
+    async fn outcome(&self, mut job: Job, scratch: &mut Option<Scratch>) -> Result<()> {
         if self.is_broken.load(Ordering::Acquire) {
-            return self.fail_broken(job);
+            return Err(self.broken_error());
         }
         if let Some(before) = job.before.take() {
             if let Err(e) = before.wait(self.rank, job.deadline).await {
                 let e = e.in_call(&format!("{} on rank {}", job.call.name(), self.rank));
-                return self.finish(job.done, Err(e)).await;
+                return self.settle(Err(e)).await;
             }
         }
         let schedule = match &job.plan {
             Plan::Schedule(s) => s,
             Plan::Group(algorithm) => {
                 let result = self.run_group(*algorithm, &job);
-                return self.finish(job.done, result).await;
+                return self.settle(result).await;
             }
         };
         if job.lane.is_none() {
@@ -221,7 +232,7 @@ impl Shared {
                 None => Ok(()),
             };
             if let Err(e) = checked {
-                return self.finish(job.done, Err(e)).await;
+                return self.settle(Err(e)).await;
             }
         }
         let execution = execute(
@@ -236,7 +247,7 @@ impl Shared {
             Either::Left((r, _)) => r,
             Either::Right(((), _)) => Err(self.aborted_error()),
         };
-        self.finish(job.done, result).await;
+        self.settle(result).await
     }
 
     /// `CCL_DEBUG_CHECKS` over links: every rank allgathers every rank's
@@ -380,55 +391,68 @@ impl Engine {
         Ok(Engine { shared, runtime })
     }
 
-    /// Runs or queues the job `make` makes. With `inline`, a collective that
-    /// finds nothing queued runs on this thread before `submit` returns.
-    /// `make` runs under the queue lock, so that the sequence numbers it
-    /// takes follow the order in which jobs queue and run.
-    pub fn submit(&self, make: impl FnOnce() -> Job, inline: bool) {
-        // Driving the runtime from inside another runtime would panic.
-        let inline = inline && tokio::runtime::Handle::try_current().is_err();
-        let job = {
+    /// Queues the job `make` makes, for the progress thread. `make` runs
+    /// under the queue lock, so that the sequence numbers it takes follow
+    /// the order in which jobs queue and run.
+    pub fn submit(&self, make: impl FnOnce() -> Job) {
+        {
             let mut q = lock(&self.shared.queue);
             let job = make();
             if q.closed || self.shared.is_broken.load(Ordering::Acquire) {
                 drop(q);
                 return self.shared.fail_broken(job);
             }
-            if inline && job.lane.is_none() && !q.driving && q.jobs.is_empty() {
-                q.driving = true;
-                Some(job)
-            } else {
-                if job.lane.is_some() {
-                    self.shared.transfers.fetch_add(1, Ordering::AcqRel);
-                }
-                q.jobs.push_back(job);
-                None
+            if job.lane.is_some() {
+                self.shared.transfers.fetch_add(1, Ordering::AcqRel);
+            }
+            q.jobs.push_back(job);
+        }
+        self.shared.wake_thread.notify_one();
+        self.shared.wake_task.notify_one();
+    }
+
+    /// Runs the collective `make` makes on this thread, when nothing is
+    /// queued or running, and returns its result: no hand-off to another
+    /// thread and no `Work`. `make` gets a `done` that does nothing (the
+    /// result is returned instead) and runs under the queue lock, as for
+    /// [`Engine::submit`]. Otherwise it hands `make` back untouched, for
+    /// [`Engine::submit`].
+    pub fn run_now<F: FnOnce(Done) -> Job>(&self, make: F) -> std::result::Result<Result<()>, F> {
+        // Driving the runtime from inside another runtime would panic.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(make);
+        }
+        let job = {
+            let mut q = lock(&self.shared.queue);
+            if q.closed || q.driving || !q.jobs.is_empty() {
+                return Err(make);
+            }
+            let job = make(Box::new(|_| ()));
+            if self.shared.is_broken.load(Ordering::Acquire) {
+                return Ok(Err(self.shared.broken_error()));
+            }
+            q.driving = true;
+            job
+        };
+        let result = {
+            let mut scratch = lock(&self.shared.scratch);
+            let mut run = pin!(self.shared.outcome(job, &mut scratch));
+            let spin = self.shared.spin;
+            let entered = self.runtime.enter();
+            let now = match spin.repoll {
+                true => polling::repoll(&mut run, spin),
+                false => polling::try_once(&mut run, spin),
+            };
+            drop(entered);
+            match now {
+                Some(result) => result,
+                None => self
+                    .runtime
+                    .block_on(Polling::new(run, spin, &self.shared.window)),
             }
         };
-        match job {
-            Some(job) => {
-                let mut scratch = lock(&self.shared.scratch);
-                {
-                    let mut run = std::pin::pin!(self.shared.run(job, &mut scratch));
-                    let entered = self.runtime.enter();
-                    let done = polling::repoll(&mut run, self.shared.spin).is_some();
-                    drop(entered);
-                    if !done {
-                        self.runtime.block_on(Polling::new(
-                            run,
-                            self.shared.spin,
-                            &self.shared.window,
-                        ));
-                    }
-                }
-                drop(scratch);
-                self.stop_driving();
-            }
-            None => {
-                self.shared.wake_thread.notify_one();
-                self.shared.wake_task.notify_one();
-            }
-        }
+        self.stop_driving();
+        Ok(result)
     }
 
     /// Runs a group algorithm on this thread when nothing is queued or

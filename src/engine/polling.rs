@@ -110,16 +110,35 @@ pub(super) fn repoll<F: Future + Unpin>(inner: &mut F, spin: Spin) -> Option<F::
     if !spin.repoll || spin.window.is_zero() {
         return None;
     }
+    poll_without_runtime(inner, spin, REPOLLS)
+}
+
+/// Polls `inner` once, as a repoll ([`Repoll`]), whatever `spin` says: a
+/// call whose data is at hand (a send a socket takes at once, a message
+/// already received) finishes without a trip through the runtime, whose
+/// entry and exit cost more than such a call. A caller that runs a call
+/// inline starts with this when repolls are off.
+pub(super) fn try_once<F: Future + Unpin>(inner: &mut F, spin: Spin) -> Option<F::Output> {
+    poll_without_runtime(inner, spin, 1)
+}
+
+fn poll_without_runtime<F: Future + Unpin>(
+    inner: &mut F,
+    spin: Spin,
+    polls: usize,
+) -> Option<F::Output> {
     let waker = Repoll::waker();
     let mut repoll = Context::from_waker(&waker);
-    for _ in 0..REPOLLS {
+    for i in 0..polls {
+        if i > 0 {
+            if spin.yield_between {
+                thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
         if let Poll::Ready(v) = Pin::new(&mut *inner).poll(&mut repoll) {
             return Some(v);
-        }
-        if spin.yield_between {
-            thread::yield_now();
-        } else {
-            std::hint::spin_loop();
         }
     }
     None
