@@ -230,6 +230,23 @@ pub(crate) fn spin_for(rank: usize, peers: &[PeerInfo], window: Option<Duration>
     spin
 }
 
+/// The ranks listed by locality: those of one host together (hosts in the
+/// order of their first rank), and among them those that may run on the
+/// same CPUs together, each group in rank order. Schedules that care where
+/// their messages go are built over it ([`ccl_algorithms::Algorithm::schedule_in_order`]).
+/// Ranks launched host by host, one to a CPU or unpinned, keep their order.
+pub(crate) fn locality_order(peers: &[PeerInfo]) -> Vec<usize> {
+    let host_of = |r: usize| {
+        peers
+            .iter()
+            .position(|p| p.host == peers[r].host)
+            .unwrap_or(r)
+    };
+    let mut order: Vec<usize> = (0..peers.len()).collect();
+    order.sort_by(|&a, &b| (host_of(a), &peers[a].cpus, a).cmp(&(host_of(b), &peers[b].cpus, b)));
+    order
+}
+
 /// `rank`'s index among the ranks that share its host (in rank order), and
 /// how many share it.
 pub(crate) fn place_on_host(rank: usize, peers: &[PeerInfo]) -> (usize, usize) {
@@ -292,6 +309,36 @@ mod tests {
         ];
         let places: Vec<_> = (0..4).map(|r| place_on_host(r, &peers)).collect();
         assert_eq!(places, [(0, 2), (0, 2), (1, 2), (1, 2)]);
+    }
+
+    /// Hosts in the order of their first rank, CPU mates together, rank
+    /// order within a group; launches host by host, pinned one to a CPU or
+    /// not pinned, keep their order.
+    #[test]
+    fn locality_orders_ranks_by_host_then_cpus() {
+        let round_robin = [
+            info("a", &[0]),
+            info("a", &[1]),
+            info("a", &[0]),
+            info("a", &[1]),
+        ];
+        assert_eq!(locality_order(&round_robin), [0, 2, 1, 3]);
+        let hosts = [
+            info("b", &[0, 1]),
+            info("a", &[0, 1]),
+            info("b", &[0, 1]),
+            info("a", &[0, 1]),
+        ];
+        assert_eq!(locality_order(&hosts), [0, 2, 1, 3]);
+        let packed = [
+            info("a", &[0]),
+            info("a", &[1]),
+            info("b", &[0]),
+            info("b", &[1]),
+        ];
+        assert_eq!(locality_order(&packed), [0, 1, 2, 3]);
+        let unpinned = [info("a", &[0, 1]), info("a", &[0, 1]), info("a", &[0, 1])];
+        assert_eq!(locality_order(&unpinned), [0, 1, 2]);
     }
 
     #[test]

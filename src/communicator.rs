@@ -212,7 +212,8 @@ impl Communicator {
             connected.class.name,
             connected.group.is_some(),
         );
-        let selection = Selection::new(rank, world_size, tuner, connected.class);
+        let order = bootstrap::locality_order(&peers);
+        let selection = Selection::new(rank, world_size, tuner, connected.class, order);
         let device_links = connected
             .links
             .iter()

@@ -25,6 +25,8 @@ pub(crate) struct Selection {
     tuner: Tuner,
     /// Largest piece a schedule moves at once, unless the choice says.
     piece_bytes: usize,
+    /// The ranks listed by locality (`bootstrap::locality_order`).
+    order: Vec<usize>,
     schedules: Mutex<Schedules>,
 }
 
@@ -37,13 +39,21 @@ struct Schedules {
 }
 
 impl Selection {
-    /// Selection for rank `rank` of `world_size` over links of `class`.
-    pub(crate) fn new(rank: usize, world_size: usize, tuner: Tuner, class: LinkClass) -> Selection {
+    /// Selection for rank `rank` of `world_size` over links of `class`,
+    /// with the ranks listed by locality in `order`.
+    pub(crate) fn new(
+        rank: usize,
+        world_size: usize,
+        tuner: Tuner,
+        class: LinkClass,
+        order: Vec<usize>,
+    ) -> Selection {
         Selection {
             rank,
             world_size,
             tuner,
             piece_bytes: class.piece_bytes,
+            order,
             schedules: Mutex::default(),
         }
     }
@@ -82,7 +92,14 @@ impl Selection {
                 let piece = choice.piece_bytes.unwrap_or(self.piece_bytes) / coll.dtype.size();
                 let schedule = choice
                     .algorithm
-                    .schedule(coll, self.rank, self.world_size, piece.max(1), layout)
+                    .schedule_in_order(
+                        coll,
+                        self.rank,
+                        self.world_size,
+                        piece.max(1),
+                        layout,
+                        &self.order,
+                    )
                     .map_err(Error::Internal)?;
                 let schedule = Arc::new(schedule);
                 if cache.all.len() >= SCHEDULE_CACHE {

@@ -219,6 +219,44 @@ impl std::str::FromStr for Choice {
 }
 
 impl Algorithm {
+    /// [`Algorithm::schedule`] for ranks listed by locality in `order` (a
+    /// permutation of the ranks, those that share a host, and among them a
+    /// CPU, next to each other): a binomial broadcast is built over that
+    /// order, so that its first messages, which start the largest subtrees,
+    /// go between groups and the last ones within them, and the ranks that
+    /// forward lie away from the root's group. Where ranks share CPUs, that
+    /// spreads the sends over the CPUs (4 ranks on 2 CPUs, rank r on CPU
+    /// r mod 2: the root and one forwarder on a CPU of their own, instead
+    /// of the root and its forwarder on one). Other schedules are built
+    /// over the ranks as they are numbered.
+    pub fn schedule_in_order(
+        self,
+        coll: &Collective,
+        rank: usize,
+        world_size: usize,
+        piece_elems: usize,
+        layout: Layout,
+        order: &[usize],
+    ) -> Result<Schedule, String> {
+        let reordered = coll.kind == CollectiveKind::Broadcast && self == Algorithm::BinomialTree;
+        if !reordered || order.iter().copied().eq(0..world_size) {
+            return self.schedule(coll, rank, world_size, piece_elems, layout);
+        }
+        let mut sorted = order.to_vec();
+        sorted.sort_unstable();
+        if !sorted.into_iter().eq(0..world_size) {
+            return Err(format!("{order:?} does not order the {world_size} ranks"));
+        }
+        let position = |r: usize| order.iter().position(|&o| o == r);
+        let (Some(at), Some(root_at)) = (position(rank), position(coll.root)) else {
+            return Err(format!("{order:?} lacks rank {rank} or root {}", coll.root));
+        };
+        let placed = coll.with_root(root_at);
+        Ok(self
+            .schedule(&placed, at, world_size, piece_elems, layout)?
+            .relabel(order))
+    }
+
     /// Rank `rank` of `world_size`'s schedule for `coll` on buffers of
     /// `layout`, moving at most `piece_elems` elements per message.
     /// Schedules are in elements: the same one serves every element type and
@@ -284,6 +322,49 @@ impl Algorithm {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::schedule::Action;
+    use ccl_core::DataType;
+
+    /// Who `rank` sends to in its schedule for `coll`, built over `order`.
+    fn sends(algorithm: Algorithm, coll: &Collective, rank: usize, order: &[usize]) -> Vec<usize> {
+        let schedule = algorithm
+            .schedule_in_order(coll, rank, order.len(), 64, Layout::InPlace, order)
+            .unwrap();
+        schedule
+            .ops
+            .iter()
+            .filter_map(|op| match op.action {
+                Action::Send { peer, .. } => Some(peer),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_binomial_broadcast_over_a_locality_order_forwards_away_from_the_root() {
+        let coll = Collective::new(CollectiveKind::Broadcast, DataType::F32, 2);
+        let tree = Algorithm::BinomialTree;
+        // As numbered: 0 sends to 2 and 1, and 2 (the root's CPU mate when
+        // rank r runs on CPU r mod 2) forwards to 3.
+        let numbered = [0, 1, 2, 3];
+        assert_eq!(sends(tree, &coll, 0, &numbered), [2, 1]);
+        assert_eq!(sends(tree, &coll, 2, &numbered), [3]);
+        // CPU mates together: the first message goes to the other CPU,
+        // whose rank forwards there.
+        let by_cpu = [0, 2, 1, 3];
+        assert_eq!(sends(tree, &coll, 0, &by_cpu), [1, 2]);
+        assert_eq!(sends(tree, &coll, 1, &by_cpu), [3]);
+        assert!(sends(tree, &coll, 2, &by_cpu).is_empty());
+        assert!(sends(tree, &coll, 3, &by_cpu).is_empty());
+        // Rooted elsewhere, the tree hangs from the root's place in the order.
+        let at3 = coll.with_root(3);
+        assert_eq!(sends(tree, &at3, 3, &by_cpu), [2, 0]);
+        // Other collectives and algorithms keep the numbering.
+        assert_eq!(sends(Algorithm::Chain, &coll, 0, &by_cpu), [1]);
+        assert!(tree
+            .schedule_in_order(&coll, 0, 4, 64, Layout::InPlace, &[0, 1, 1, 3])
+            .is_err());
+    }
 
     #[test]
     fn names_parse_and_every_algorithm_has_a_collective() {

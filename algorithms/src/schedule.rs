@@ -313,6 +313,31 @@ impl Builder {
     }
 }
 
+impl Schedule {
+    /// The same schedule with every peer `p` replaced by `to[p]`: a
+    /// schedule written for ranks numbered in another order, run among the
+    /// real ones. `to` must be a permutation of the world's ranks.
+    pub(crate) fn relabel(mut self, to: &[usize]) -> Schedule {
+        for op in &mut self.ops {
+            match &mut op.action {
+                Action::Send { peer, .. }
+                | Action::Recv { peer, .. }
+                | Action::RecvReduce { peer, .. } => *peer = to[*peer],
+                Action::Copy { .. } | Action::Finalize { .. } => {}
+            }
+        }
+        for (lane, _) in &mut self.lanes {
+            *lane = match *lane {
+                Lane::SendTo(p) => Lane::SendTo(to[p]),
+                Lane::RecvFrom(p) => Lane::RecvFrom(to[p]),
+                Lane::Local => Lane::Local,
+            };
+        }
+        self.lanes.sort_by_key(|(l, _)| *l);
+        self
+    }
+}
+
 /// Splits `len` elements into `parts` contiguous ranges whose lengths differ by at most one.
 pub fn split_even(len: usize, parts: usize) -> Vec<Range<usize>> {
     (0..parts)

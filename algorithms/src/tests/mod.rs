@@ -48,6 +48,7 @@ fn run(
         layout,
         dtype,
         inputs,
+        &(0..n).collect::<Vec<_>>(),
     )
 }
 
@@ -122,8 +123,9 @@ impl RankMemory {
 /// group algorithm, on group memory in the heap with ranks as threads (once
 /// through posts alone, once with direct reads and once writing every
 /// output with streaming stores, which must agree);
-/// returns each rank's output. A run that has not finished within a minute
-/// is a hang, and panics.
+/// returns each rank's output. Schedules are built for the ranks listed by
+/// locality in `order` ([`Algorithm::schedule_in_order`]). A run that has
+/// not finished within a minute is a hang, and panics.
 fn run_on(
     links: &[Vec<Option<Arc<dyn Link>>>],
     algorithm: Algorithm,
@@ -136,6 +138,7 @@ fn run_on(
     layout: Layout,
     dtype: DataType,
     inputs: &[Vec<u8>],
+    order: &[usize],
 ) -> Vec<Vec<u8>> {
     let coll = Collective::new(kind, dtype, count)
         .with_op(op)
@@ -195,7 +198,7 @@ fn run_on(
         async move {
             let io = mem.io();
             let schedule = algorithm
-                .schedule(&coll, rank, n, piece, io.layout())
+                .schedule_in_order(&coll, rank, n, piece, io.layout(), order)
                 .unwrap();
             execute(&schedule, io, links, &call(rank), &mut None, None).await
         }
@@ -252,8 +255,22 @@ fn algorithms_for(kind: CollectiveKind) -> Vec<Algorithm> {
         .collect()
 }
 
+/// Orders of the ranks by locality to build schedules for: as numbered,
+/// and for broadcast (whose binomial tree follows the order) also the even
+/// ranks before the odd ones (ranks r on CPU r mod 2) and backwards.
+fn orders_for(kind: CollectiveKind, n: usize) -> Vec<Vec<usize>> {
+    let numbered: Vec<usize> = (0..n).collect();
+    if kind != CollectiveKind::Broadcast {
+        return vec![numbered];
+    }
+    let by_parity = (0..n).step_by(2).chain((1..n).step_by(2)).collect();
+    let backwards = (0..n).rev().collect();
+    vec![numbered, by_parity, backwards]
+}
+
 /// Checks one collective with every algorithm for every world size, count,
-/// root and layout with u64 sum, schedules over plain and rendezvous links.
+/// root, layout and order of the ranks ([`orders_for`]) with u64 sum,
+/// schedules over plain and rendezvous links.
 fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize) -> Vec<u64>) {
     for n in 1..=16 {
         for count in counts(n) {
@@ -284,7 +301,9 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         .into_iter()
                         .flat_map(move |l| links.iter().map(move |&r| (a, l, r)))
                 });
-                for (algorithm, layout, rendezvous) in variants {
+                let orders = orders_for(kind, n);
+                let variants = variants.flat_map(|v| orders.iter().map(move |o| (v, o)));
+                for ((algorithm, layout, rendezvous), order) in variants {
                     let outs = run_on(
                         &mesh(n, rendezvous),
                         algorithm,
@@ -297,12 +316,13 @@ fn check_kind(kind: CollectiveKind, expected: impl Fn(usize, usize, usize, usize
                         layout,
                         DataType::U64,
                         &inputs,
+                        order,
                     );
                     for (r, out) in outs.iter().enumerate() {
                         assert_eq!(
                             u64s(out),
                             expected(n, count, root, r),
-                            "{kind} {algorithm} n={n} count={count} root={root} rank={r} {layout:?} rendezvous={rendezvous}"
+                            "{kind} {algorithm} n={n} count={count} root={root} rank={r} {layout:?} rendezvous={rendezvous} order={order:?}"
                         );
                     }
                 }
