@@ -221,14 +221,14 @@ impl std::str::FromStr for Choice {
 impl Algorithm {
     /// [`Algorithm::schedule`] for ranks listed by locality in `order` (a
     /// permutation of the ranks, those that share a host, and among them a
-    /// CPU, next to each other): a binomial broadcast is built over that
-    /// order, so that its first messages, which start the largest subtrees,
-    /// go between groups and the last ones within them, and the ranks that
-    /// forward lie away from the root's group. Where ranks share CPUs, that
-    /// spreads the sends over the CPUs (4 ranks on 2 CPUs, rank r on CPU
-    /// r mod 2: the root and one forwarder on a CPU of their own, instead
-    /// of the root and its forwarder on one). Other schedules are built
-    /// over the ranks as they are numbered.
+    /// CPU, next to each other): a binomial broadcast or reduce is built over
+    /// that order, so that the messages of its largest subtrees go between
+    /// groups and the others within them, and the ranks that forward lie
+    /// away from the root's group. Where ranks share CPUs, that spreads the
+    /// sends over the CPUs (4 ranks on 2 CPUs, rank r on CPU r mod 2: the
+    /// root with a leaf on one CPU and the forwarder on the other, instead
+    /// of the root and its forwarder on one). Other schedules are built over
+    /// the ranks as they are numbered.
     pub fn schedule_in_order(
         self,
         coll: &Collective,
@@ -238,7 +238,10 @@ impl Algorithm {
         layout: Layout,
         order: &[usize],
     ) -> Result<Schedule, String> {
-        let reordered = coll.kind == CollectiveKind::Broadcast && self == Algorithm::BinomialTree;
+        let reordered = matches!(
+            coll.kind,
+            CollectiveKind::Broadcast | CollectiveKind::Reduce
+        ) && self == Algorithm::BinomialTree;
         if !reordered || order.iter().copied().eq(0..world_size) {
             return self.schedule(coll, rank, world_size, piece_elems, layout);
         }
@@ -359,6 +362,11 @@ mod tests {
         // Rooted elsewhere, the tree hangs from the root's place in the order.
         let at3 = coll.with_root(3);
         assert_eq!(sends(tree, &at3, 3, &by_cpu), [2, 0]);
+        // A reduce's tree is the broadcast's, its messages going up.
+        let reduce = Collective::new(CollectiveKind::Reduce, DataType::F32, 2);
+        assert_eq!(sends(tree, &reduce, 3, &by_cpu), [1]);
+        assert_eq!(sends(tree, &reduce, 1, &by_cpu), [0]);
+        assert_eq!(sends(tree, &reduce, 2, &by_cpu), [0]);
         // Other collectives and algorithms keep the numbering.
         assert_eq!(sends(Algorithm::Chain, &coll, 0, &by_cpu), [1]);
         assert!(tree

@@ -22,7 +22,7 @@ use std::{
         Arc, Mutex,
     },
     task::Poll,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ccl_core::{
@@ -231,24 +231,26 @@ impl Exec<'_> {
     }
 }
 
-/// Resolves `deadline` after its first poll with a real waker (never
-/// without one): the runtime's timer is armed then, not before. A call that
-/// finishes within repolls ([`Repoll`], whose poller promises a real poll
-/// before it lets the task sleep) never reads the clock or touches the
-/// timer, whose registration and removal (each under the timer wheel's
-/// lock) a small call would otherwise pay every time. The repolls before
-/// the deadline starts take microseconds, against deadlines of seconds.
-async fn limit(deadline: Option<Duration>) {
-    let Some(deadline) = deadline else {
-        return std::future::pending().await;
-    };
-    // Until the first real poll: a repoll may return `Pending` unarmed.
-    poll_fn(|cx| match Repoll::is(cx) {
-        true => Poll::Pending,
-        false => Poll::Ready(()),
-    })
-    .await;
-    tokio::time::sleep(deadline).await
+/// Resolves `deadline` after it is made (never without one). The runtime's
+/// timer is armed at the first poll with a real waker: a call that finishes
+/// within repolls ([`Repoll`], whose poller promises a real poll before it
+/// lets the task sleep) never touches the timer, whose registration and
+/// removal (each under the timer wheel's lock) a small call would otherwise
+/// pay every time.
+fn limit(deadline: Option<Duration>) -> impl Future<Output = ()> {
+    let at = deadline.map(|d| Instant::now() + d);
+    async move {
+        let Some(at) = at else {
+            return std::future::pending().await;
+        };
+        // Until the first real poll: a repoll may return `Pending` unarmed.
+        poll_fn(|cx| match Repoll::is(cx) {
+            true => Poll::Pending,
+            false => Poll::Ready(()),
+        })
+        .await;
+        tokio::time::sleep_until(at.into()).await
+    }
 }
 
 /// Runs `schedule` over `links` (indexed by rank; `None` for this rank) on

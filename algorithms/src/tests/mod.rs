@@ -256,11 +256,11 @@ fn algorithms_for(kind: CollectiveKind) -> Vec<Algorithm> {
 }
 
 /// Orders of the ranks by locality to build schedules for: as numbered,
-/// and for broadcast (whose binomial tree follows the order) also the even
-/// ranks before the odd ones (ranks r on CPU r mod 2) and backwards.
+/// and for broadcast and reduce (whose binomial trees follow the order) also
+/// the even ranks before the odd ones (ranks r on CPU r mod 2) and backwards.
 fn orders_for(kind: CollectiveKind, n: usize) -> Vec<Vec<usize>> {
     let numbered: Vec<usize> = (0..n).collect();
-    if kind != CollectiveKind::Broadcast {
+    if !matches!(kind, CollectiveKind::Broadcast | CollectiveKind::Reduce) {
         return vec![numbered];
     }
     let by_parity = (0..n).step_by(2).chain((1..n).step_by(2)).collect();
