@@ -73,6 +73,22 @@ pub fn interface_address(name: &str) -> Result<SocketAddr> {
         .ok_or_else(|| Error::Config(format!("network interface '{name}' has no IP address")))
 }
 
+/// Whether `ip` is a loopback address or an address of one of this host's
+/// interfaces (of this network namespace), so that a socket to it stays on
+/// this host.
+pub fn is_local_address(ip: IpAddr) -> bool {
+    if ip.is_loopback() {
+        return true;
+    }
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return false;
+    };
+    addrs.filter_map(|i| i.address).any(|a| {
+        a.as_sockaddr_in().map(|s| IpAddr::V4(s.ip())) == Some(ip)
+            || a.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip())) == Some(ip)
+    })
+}
+
 /// The address this host advertises to others: the interface `ifname`'s
 /// (`CCL_SOCKET_IFNAME`), else the first IPv4 address of an interface that
 /// is up and not loopback, else `127.0.0.1`.
@@ -102,6 +118,18 @@ mod tests {
             interface_address("no-such-if0"),
             Err(Error::Config(_))
         ));
+    }
+
+    #[test]
+    fn local_addresses_are_told_from_others() {
+        assert!(is_local_address(IpAddr::V4(Ipv4Addr::LOCALHOST)));
+        assert!(is_local_address(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 2))));
+        let advertised = advertised_ip(None).unwrap();
+        assert!(is_local_address(advertised), "{advertised}");
+        // TEST-NET-2: reserved for documentation, on no interface.
+        assert!(!is_local_address(IpAddr::V4(Ipv4Addr::new(
+            198, 51, 100, 1
+        ))));
     }
 
     #[test]

@@ -59,6 +59,8 @@ pub struct TcpOptions {
     /// Address to listen on when no interface is named (the route to
     /// `MASTER_ADDR`, from a config); `127.0.0.1` when neither is given.
     pub local_ip: Option<IpAddr>,
+    /// The congestion control of the link sockets (`CCL_TCP_CONGESTION`).
+    pub congestion: Congestion,
 }
 
 impl Default for TcpOptions {
@@ -67,13 +69,54 @@ impl Default for TcpOptions {
             nsocks: 1,
             interface: None,
             local_ip: None,
+            congestion: Congestion::Auto,
         }
     }
 }
 
+/// Which congestion control the link sockets use (`CCL_TCP_CONGESTION`:
+/// unset or `auto`, `system`, or an algorithm's name such as `cubic`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Congestion {
+    /// Links between hosts keep the system's default; links within one host
+    /// (to a loopback address, or to this socket's own address) use `cubic`,
+    /// else `reno`. The path of such a link has no queue to protect, and a
+    /// pacing algorithm (BBR, a common default) spends CPU time on timers and
+    /// holds data back: on a 2-vCPU VM, a 4-rank 1 MiB broadcast took 0.92 ms
+    /// under BBR against 0.49 ms under cubic.
+    Auto,
+    /// Every link keeps the system's default (`net.ipv4.tcp_congestion_control`).
+    System,
+    /// Every link uses this algorithm.
+    Named(String),
+}
+
+impl Congestion {
+    /// The setting `CCL_TCP_CONGESTION` names; a named algorithm must be one
+    /// the kernel lets this process set.
+    pub fn parse(value: Option<&str>) -> Result<Congestion> {
+        let congestion = match value.map(str::trim) {
+            None | Some("auto") => Congestion::Auto,
+            Some("system") => Congestion::System,
+            Some(name) => Congestion::Named(name.to_string()),
+        };
+        if let Congestion::Named(name) = &congestion {
+            socket::check_congestion(name).map_err(|e| {
+                ccl_core::Error::Config(format!(
+                    "CCL_TCP_CONGESTION={name}: the kernel refuses it ({e}); \
+                     it allows: {}",
+                    socket::allowed_congestion()
+                ))
+            })?;
+        }
+        Ok(congestion)
+    }
+}
+
 impl TcpOptions {
-    /// The options `CCL_NSOCKS` (1 to 64) and `CCL_SOCKET_IFNAME` set, with
-    /// the local address of the route to the TCP store's host.
+    /// The options `CCL_NSOCKS` (1 to 64), `CCL_SOCKET_IFNAME` and
+    /// `CCL_TCP_CONGESTION` set, with the local address of the route to the
+    /// TCP store's host.
     pub fn from_config(config: &Config) -> Result<TcpOptions> {
         let local_ip = match &config.rendezvous {
             Rendezvous::Tcp { host, port, .. } | Rendezvous::TorchAgent { host, port, .. } => {
@@ -85,6 +128,7 @@ impl TcpOptions {
             nsocks: config.knob_number("CCL_NSOCKS", 1, 1..=64)?,
             interface: config.knob("CCL_SOCKET_IFNAME").map(str::to_string),
             local_ip,
+            congestion: Congestion::parse(config.knob("CCL_TCP_CONGESTION"))?,
         })
     }
 }

@@ -19,8 +19,8 @@ use tokio::{
 
 use crate::{
     link::TcpLink,
-    socket::{listen, local_address, open, watch_peer},
-    TcpOptions,
+    socket::{accepted, listen, local_address, open, watch_peer},
+    Congestion, TcpOptions,
 };
 
 /// How long an accepted connection has to authenticate and send its hello.
@@ -154,7 +154,7 @@ pub(crate) fn listen_and_publish(setup: &Setup, opts: &TcpOptions) -> Result<Lis
     }
     let started = Instant::now();
     let bind = local_address(opts)?;
-    let listener = listen(bind, world_size * opts.nsocks + 16)?;
+    let listener = listen(bind, world_size * opts.nsocks + 16, &opts.congestion)?;
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("reading the listening address", e))?;
@@ -165,6 +165,7 @@ pub(crate) fn listen_and_publish(setup: &Setup, opts: &TcpOptions) -> Result<Lis
         world_size,
         comm: setup.comm,
         nsocks: opts.nsocks,
+        congestion: opts.congestion.clone(),
         progress: Mutex::new(Progress {
             socks: (0..world_size)
                 .map(|_| (0..opts.nsocks).map(|_| None).collect())
@@ -317,6 +318,8 @@ struct Shared {
     world_size: usize,
     comm: u64,
     nsocks: usize,
+    /// The congestion control of every socket.
+    congestion: Congestion,
     progress: Mutex<Progress>,
     /// Wakes the connect half when a socket was admitted.
     admitted: Notify,
@@ -533,6 +536,7 @@ impl Shared {
         if let Err(e) = watch_peer(&socket2::SockRef::from(&stream)) {
             tracing::debug!(rank = me, "keepalive on socket from rank {from_rank}: {e}");
         }
+        accepted(&stream, &self.congestion);
         tracing::trace!(rank = me, peer = from_rank, index = h.index, "accepted");
         *slot = Some(stream);
         true
@@ -551,7 +555,7 @@ impl Shared {
     async fn connect_one(&self, peer: usize, addr: SocketAddr, index: usize) -> Result<()> {
         let mut backoff = Duration::from_millis(5);
         let mut stream = loop {
-            match open(addr).await {
+            match open(addr, &self.congestion).await {
                 Ok(s) => break s,
                 Err(e) => {
                     tracing::debug!(

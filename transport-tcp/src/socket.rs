@@ -9,11 +9,11 @@ use std::{
 };
 
 use ccl_core::{Error, Result};
-use ccl_rendezvous::net::interface_address;
+use ccl_rendezvous::net::{interface_address, is_local_address};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpSocket, TcpStream};
 
-use crate::TcpOptions;
+use crate::{Congestion, TcpOptions};
 
 /// Send and receive buffer size of every socket.
 const SOCKET_BUFFER: usize = 4 << 20;
@@ -78,9 +78,82 @@ pub(crate) fn watch_peer(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
     s.set_tcp_user_timeout(Some(UNACKED_LIMIT))
 }
 
+/// The congestion control [`Congestion::Auto`] gives links within one host,
+/// in order of preference.
+const WITHIN_HOST: [&str; 2] = ["cubic", "reno"];
+
+/// Sets the congestion control of a socket, before it listens or connects,
+/// as `congestion` says for a socket that stays on this host (`within_host`)
+/// or not. Set later, the system's default would already have started, and
+/// BBR, a common default, leaves the socket paced whatever follows it. A
+/// failure leaves the system's default, logged: a named algorithm was
+/// checked when the options were read ([`check_congestion`]).
+fn set_congestion(sock: &socket2::SockRef<'_>, congestion: &Congestion, within_host: bool) {
+    let names: &[&str] = match congestion {
+        Congestion::System => return,
+        Congestion::Auto if !within_host => return,
+        Congestion::Auto => &WITHIN_HOST,
+        Congestion::Named(name) => &[name.as_str()],
+    };
+    let mut refused = Vec::new();
+    for name in names {
+        match sock.set_tcp_congestion(name.as_bytes()) {
+            Ok(()) => return,
+            Err(e) => refused.push(format!("{name}: {e}")),
+        }
+    }
+    tracing::debug!(
+        "keeping the system's congestion control on a link socket ({})",
+        refused.join("; ")
+    );
+}
+
+/// Gives an accepted socket from another host the system's default
+/// congestion control where [`Congestion::Auto`] gave the listener, and so
+/// the socket, the one for sockets within the host. Switching to the default
+/// starts it as it would have started at the handshake (only switching away
+/// from a pacing algorithm leaves the socket paced).
+pub(crate) fn accepted(stream: &TcpStream, congestion: &Congestion) {
+    if *congestion != Congestion::Auto {
+        return;
+    }
+    let Ok(peer) = stream.peer_addr() else {
+        return;
+    };
+    if is_local_address(peer.ip()) {
+        return;
+    }
+    let default = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control");
+    let set = default
+        .and_then(|name| socket2::SockRef::from(stream).set_tcp_congestion(name.trim().as_bytes()));
+    if let Err(e) = set {
+        tracing::debug!("restoring the system's congestion control on a socket from {peer}: {e}");
+    }
+}
+
+/// Whether the kernel lets this process set congestion control `name` (on a
+/// socket that is never connected).
+pub(crate) fn check_congestion(name: &str) -> std::io::Result<()> {
+    Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?
+        .set_tcp_congestion(name.as_bytes())
+}
+
+/// The algorithms an unprivileged process may set, as the kernel lists them.
+pub(crate) fn allowed_congestion() -> String {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|e| format!("unknown ({e})"))
+}
+
 /// A non-blocking listener on `addr` (port 0: any), sockets it accepts
-/// inheriting large buffers.
-pub(crate) fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpListener> {
+/// inheriting large buffers and the congestion control `congestion` gives
+/// sockets within the host ([`accepted`] restores the system's default on
+/// the others).
+pub(crate) fn listen(
+    addr: SocketAddr,
+    backlog: usize,
+    congestion: &Congestion,
+) -> Result<std::net::TcpListener> {
     let ctx = |e| Error::io(format!("listening on {addr}"), e);
     let socket =
         Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(ctx)?;
@@ -88,6 +161,7 @@ pub(crate) fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpLi
         socket.set_only_v6(true).map_err(ctx)?;
     }
     set_buffers(&(&socket).into()).map_err(ctx)?;
+    set_congestion(&(&socket).into(), congestion, true);
     socket.set_nodelay(true).map_err(ctx)?;
     socket.bind(&addr.into()).map_err(ctx)?;
     socket
@@ -97,15 +171,113 @@ pub(crate) fn listen(addr: SocketAddr, backlog: usize) -> Result<std::net::TcpLi
     Ok(socket.into())
 }
 
-/// A socket with large buffers connected to `addr`.
-pub(crate) async fn open(addr: SocketAddr) -> std::io::Result<TcpStream> {
+/// A socket with large buffers and the congestion control `congestion`
+/// gives it connected to `addr`.
+pub(crate) async fn open(addr: SocketAddr, congestion: &Congestion) -> std::io::Result<TcpStream> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
     set_buffers(&socket2::SockRef::from(&socket))?;
+    set_congestion(
+        &socket2::SockRef::from(&socket),
+        congestion,
+        is_local_address(addr.ip()),
+    );
     socket.set_nodelay(true)?;
     watch_peer(&socket2::SockRef::from(&socket))?;
     socket.connect(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use ccl_rendezvous::net::advertised_ip;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// The system's default congestion control.
+    fn system_default() -> String {
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+            .expect("the system's congestion control")
+            .trim()
+            .to_string()
+    }
+
+    /// What [`Congestion::Auto`] gives sockets within the host here.
+    fn within_host_choice() -> &'static str {
+        let allowed = allowed_congestion();
+        WITHIN_HOST
+            .into_iter()
+            .find(|n| allowed.split_whitespace().any(|a| a == *n))
+            .expect("reno is always allowed")
+    }
+
+    fn algorithm(stream: &TcpStream) -> String {
+        let name = socket2::SockRef::from(stream)
+            .tcp_congestion()
+            .expect("TCP_CONGESTION");
+        String::from_utf8_lossy(&name)
+            .trim_end_matches('\0')
+            .to_string()
+    }
+
+    /// Connects a socket to a listener on `ip`, both with `congestion`, and
+    /// returns the algorithms of the connecting and the accepted end.
+    fn pair(ip: IpAddr, congestion: &Congestion) -> (String, String) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let listener = listen(SocketAddr::new(ip, 0), 4, congestion).expect("listener");
+            let listener = TcpListener::from_std(listener).expect("registered");
+            let addr = listener.local_addr().expect("address");
+            let (client, server) = tokio::join!(open(addr, congestion), listener.accept());
+            let (client, (server, _)) = (client.expect("connected"), server.expect("accepted"));
+            accepted(&server, congestion);
+            (algorithm(&client), algorithm(&server))
+        })
+    }
+
+    #[test]
+    fn sockets_within_the_host_avoid_the_systems_pacing_default() {
+        let want = within_host_choice().to_string();
+        let both = (want.clone(), want);
+        assert_eq!(pair(Ipv4Addr::LOCALHOST.into(), &Congestion::Auto), both);
+        // Over the host's own address too (where it has one besides loopback).
+        let own = advertised_ip(None).expect("an address");
+        assert_eq!(pair(own, &Congestion::Auto), both, "over {own}");
+    }
+
+    #[test]
+    fn system_keeps_the_default_and_a_name_is_used_everywhere() {
+        let default = system_default();
+        let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        assert_eq!(pair(lo, &Congestion::System), (default.clone(), default));
+        let reno = Congestion::Named("reno".into());
+        assert_eq!(pair(lo, &reno), ("reno".into(), "reno".into()));
+    }
+
+    #[test]
+    fn the_setting_is_read_and_a_refused_name_is_a_clear_error() {
+        assert_eq!(Congestion::parse(None).unwrap(), Congestion::Auto);
+        assert_eq!(Congestion::parse(Some("auto")).unwrap(), Congestion::Auto);
+        assert_eq!(
+            Congestion::parse(Some("system")).unwrap(),
+            Congestion::System
+        );
+        assert_eq!(
+            Congestion::parse(Some(" reno ")).unwrap(),
+            Congestion::Named("reno".into())
+        );
+        match Congestion::parse(Some("no-such-cc")) {
+            Err(Error::Config(msg)) => {
+                assert!(msg.contains("CCL_TCP_CONGESTION=no-such-cc"), "{msg}");
+                assert!(msg.contains("reno"), "{msg}");
+            }
+            other => panic!("no-such-cc: {other:?}"),
+        }
+    }
 }

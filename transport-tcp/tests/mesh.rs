@@ -27,8 +27,7 @@ const LIMIT: Duration = Duration::from_secs(20);
 fn opts(nsocks: usize) -> TcpOptions {
     TcpOptions {
         nsocks,
-        interface: None,
-        local_ip: None,
+        ..TcpOptions::default()
     }
 }
 
