@@ -14,6 +14,7 @@
 
 use std::fmt::Write as _;
 
+use ccl_transport_tcp::Congestion;
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -82,6 +83,9 @@ pub struct PeersConfig {
     pub rounds: usize,
     pub sizes_requested: Vec<u64>,
     pub ccl_launch: String,
+    /// The congestion control of ccl's TCP links and of the peers' sockets.
+    #[serde(default)]
+    pub tcp_congestion: String,
     pub peers: Vec<PeerInfo>,
     pub time_definition: String,
     pub round_definition: String,
@@ -245,6 +249,22 @@ fn to_csv(rep: &PeersReport) -> String {
     s
 }
 
+/// The congestion control of ccl's TCP links within this host (as
+/// `CCL_TCP_CONGESTION` sets it) and of the peers' sockets (the kernel's
+/// default, which none of them changes).
+fn tcp_congestion() -> String {
+    let knob = std::env::var("CCL_TCP_CONGESTION").ok();
+    let ccl = match Congestion::parse(knob.as_deref().filter(|v| !v.is_empty())) {
+        Ok(c) => c.within_host(),
+        Err(e) => format!("none ({e})"),
+    };
+    format!(
+        "ccl's links {ccl} (CCL_TCP_CONGESTION={}), the peers' sockets the kernel's default {}",
+        knob.as_deref().unwrap_or("auto"),
+        Congestion::System.within_host()
+    )
+}
+
 fn write_outputs(plan: &Plan, rep: &PeersReport) -> Result<(), String> {
     if let Some(p) = &plan.json {
         report::write_file(p, &report::to_json(rep))?;
@@ -371,6 +391,8 @@ pub fn main(a: PeersArgs) -> i32 {
         link.name()
     );
     println!("# ccl {}: {ccl_launch}", env!("CARGO_PKG_VERSION"));
+    let congestion = tcp_congestion();
+    println!("# TCP congestion control: {congestion}");
     for p in &peers {
         println!("# {}: {}", p.kind.name(), p.launch);
     }
@@ -529,6 +551,7 @@ pub fn main(a: PeersArgs) -> i32 {
             rounds: a.rounds,
             sizes_requested: plan.sizes.clone(),
             ccl_launch,
+            tcp_congestion: congestion,
             peers: infos,
             time_definition: report::TIME_DEFINITION.into(),
             round_definition: "each size: every library once per round in a fresh job, the order rotated by one per round; the round with the median time counts".into(),

@@ -18,6 +18,9 @@
 //! Receives read straight into the caller's buffer; receive-and-reduce reads
 //! in pieces of [`REDUCE_PIECE`] bytes and reduces each piece as it arrives.
 //!
+//! Sockets within one host use a congestion control that does not pace
+//! ([`Congestion`]); sockets between hosts keep the system's default.
+//!
 //! Links use tokio types registered with the runtime in whose context they
 //! were connected; drive them from that runtime.
 
@@ -110,6 +113,16 @@ impl Congestion {
             })?;
         }
         Ok(congestion)
+    }
+
+    /// The algorithm a link socket within this host gets with this setting
+    /// (as far as the kernel allows it).
+    pub fn within_host(&self) -> String {
+        match self {
+            Congestion::Auto => socket::within_host_choice().to_string(),
+            Congestion::System => socket::system_default(),
+            Congestion::Named(name) => name.clone(),
+        }
     }
 }
 

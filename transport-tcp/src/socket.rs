@@ -123,12 +123,27 @@ pub(crate) fn accepted(stream: &TcpStream, congestion: &Congestion) {
     if is_local_address(peer.ip()) {
         return;
     }
-    let default = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control");
-    let set = default
-        .and_then(|name| socket2::SockRef::from(stream).set_tcp_congestion(name.trim().as_bytes()));
-    if let Err(e) = set {
+    let default = system_default();
+    if let Err(e) = socket2::SockRef::from(stream).set_tcp_congestion(default.as_bytes()) {
         tracing::debug!("restoring the system's congestion control on a socket from {peer}: {e}");
     }
+}
+
+/// The kernel's default congestion control (of this network namespace).
+pub(crate) fn system_default() -> String {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|e| format!("unknown ({e})"))
+}
+
+/// What [`Congestion::Auto`] gives sockets within the host here: the first
+/// of [`WITHIN_HOST`] the kernel allows.
+pub(crate) fn within_host_choice() -> &'static str {
+    let allowed = allowed_congestion();
+    WITHIN_HOST
+        .into_iter()
+        .find(|n| allowed.split_whitespace().any(|a| a == *n))
+        .unwrap_or(WITHIN_HOST[WITHIN_HOST.len() - 1])
 }
 
 /// Whether the kernel lets this process set congestion control `name` (on a
@@ -196,23 +211,6 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
-
-    /// The system's default congestion control.
-    fn system_default() -> String {
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
-            .expect("the system's congestion control")
-            .trim()
-            .to_string()
-    }
-
-    /// What [`Congestion::Auto`] gives sockets within the host here.
-    fn within_host_choice() -> &'static str {
-        let allowed = allowed_congestion();
-        WITHIN_HOST
-            .into_iter()
-            .find(|n| allowed.split_whitespace().any(|a| a == *n))
-            .expect("reno is always allowed")
-    }
 
     fn algorithm(stream: &TcpStream) -> String {
         let name = socket2::SockRef::from(stream)
