@@ -408,9 +408,13 @@ mod tests {
             comm.choice_for(CollectiveKind::AllReduce, big, DataType::F32),
             table
         );
+        let small_broadcast = Table::builtin()
+            .pick(CollectiveKind::Broadcast, 8, 1, "tcp")
+            .expect("the table has broadcast over tcp");
+        assert!(Algorithm::for_kind(CollectiveKind::Broadcast).contains(&small_broadcast.algorithm));
         assert_eq!(
-            comm.algorithm_for(CollectiveKind::Broadcast, 2, DataType::F32),
-            Algorithm::BinomialTree
+            comm.choice_for(CollectiveKind::Broadcast, 2, DataType::F32),
+            small_broadcast
         );
         let forced = Options {
             algo: Some("allreduce=ring".into()),
