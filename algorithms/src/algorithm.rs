@@ -21,8 +21,11 @@ pub enum Algorithm {
     RecursiveDoubling,
     /// Binomial tree: broadcast, reduce.
     BinomialTree,
-    /// Pairwise exchange: all-to-all.
+    /// Pairwise exchange: all-to-all, every step at once.
     Pairwise,
+    /// Pairwise exchange in steps: all-to-all, each step once the one
+    /// before it has finished.
+    PairwiseInSteps,
     /// Root talks to every rank directly: gather, scatter.
     Linear,
     /// Dissemination: barrier.
@@ -53,11 +56,12 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// Every algorithm.
-    pub const ALL: [Algorithm; 13] = [
+    pub const ALL: [Algorithm; 14] = [
         Algorithm::Ring,
         Algorithm::RecursiveDoubling,
         Algorithm::BinomialTree,
         Algorithm::Pairwise,
+        Algorithm::PairwiseInSteps,
         Algorithm::Linear,
         Algorithm::Dissemination,
         Algorithm::Rabenseifner,
@@ -76,6 +80,7 @@ impl Algorithm {
             Algorithm::RecursiveDoubling => "rd",
             Algorithm::BinomialTree => "tree",
             Algorithm::Pairwise => "pairwise",
+            Algorithm::PairwiseInSteps => "pairwise-steps",
             Algorithm::Linear => "linear",
             Algorithm::Dissemination => "dissemination",
             Algorithm::Rabenseifner => "rabenseifner",
@@ -106,7 +111,7 @@ impl Algorithm {
             CollectiveKind::Broadcast | CollectiveKind::Reduce => {
                 &[Algorithm::BinomialTree, Algorithm::Chain]
             }
-            CollectiveKind::AllToAll => &[Algorithm::Pairwise],
+            CollectiveKind::AllToAll => &[Algorithm::Pairwise, Algorithm::PairwiseInSteps],
             CollectiveKind::Gather | CollectiveKind::Scatter => &[Algorithm::Linear],
             CollectiveKind::Barrier => &[Algorithm::Dissemination],
             CollectiveKind::SendRecv => &[],
@@ -311,7 +316,12 @@ impl Algorithm {
             }
             (CollectiveKind::Broadcast, Algorithm::Chain) => chain::broadcast(r, n, root, c, p),
             (CollectiveKind::Reduce, Algorithm::Chain) => chain::reduce(r, n, root, c, p, finalize),
-            (CollectiveKind::AllToAll, Algorithm::Pairwise) => direct::alltoall(r, n, c, layout),
+            (CollectiveKind::AllToAll, Algorithm::Pairwise) => {
+                direct::alltoall(r, n, c, layout, false)
+            }
+            (CollectiveKind::AllToAll, Algorithm::PairwiseInSteps) => {
+                direct::alltoall(r, n, c, layout, true)
+            }
             (CollectiveKind::Gather, Algorithm::Linear) => direct::gather(r, n, root, c),
             (CollectiveKind::Scatter, Algorithm::Linear) => direct::scatter(r, n, root, c),
             (CollectiveKind::Barrier, Algorithm::Dissemination) => direct::barrier(r, n),

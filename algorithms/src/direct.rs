@@ -75,32 +75,43 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
 /// place blocks arrive straight in the output; in place they arrive in
 /// scratch memory and are copied to the output once the block they
 /// overwrite has been sent.
-pub fn alltoall(rank: usize, n: usize, count: usize, layout: Layout) -> Schedule {
+///
+/// With `in_steps` false every step runs at once; with it true a step starts
+/// once the step before it has sent and received its block (OpenMPI's
+/// pairwise), which keeps fewer transfers in flight.
+pub fn alltoall(rank: usize, n: usize, count: usize, layout: Layout, in_steps: bool) -> Schedule {
     let mut b = Builder::for_layout(layout);
     let inp = |i: usize| Region::new(BufId::Input, i * count, count);
     let out = |i: usize| Region::new(BufId::Output, i * count, count);
     let tmp = |i: usize| Region::new(BufId::Scratch, i * count, count);
-    b.push(Action::Copy {
-        src: inp(rank),
-        dst: out(rank),
-    });
-    for s in 1..n {
-        let to = (rank + s) % n;
-        b.push(Action::Send {
-            peer: to,
-            src: inp(to),
-        });
-    }
     let land = |i: usize| match layout {
         Layout::OutOfPlace => out(i),
         Layout::InPlace => tmp(i),
     };
+    b.push(Action::Copy {
+        src: inp(rank),
+        dst: out(rank),
+    });
+    let mut step_before: Vec<u32> = Vec::new();
     for s in 1..n {
-        let from = (rank + n - s) % n;
-        b.push(Action::Recv {
-            peer: from,
-            dst: land(from),
-        });
+        let (to, from) = ((rank + s) % n, (rank + n - s) % n);
+        let send = b.push_after(
+            Action::Send {
+                peer: to,
+                src: inp(to),
+            },
+            &step_before,
+        );
+        let recv = b.push_after(
+            Action::Recv {
+                peer: from,
+                dst: land(from),
+            },
+            &step_before,
+        );
+        if in_steps {
+            step_before = vec![send, recv];
+        }
     }
     if layout == Layout::OutOfPlace {
         return b.finish();

@@ -110,7 +110,7 @@ fn collectives_with_every_algorithm_forced() {
     for (n, algo) in [
         (3, "ring"),
         (5, "ring"),
-        (6, "rd"),
+        (6, "rd,alltoall=pairwise-steps"),
         (
             5,
             "allreduce=rabenseifner,reduce-scatter=rh,allgather=rd,broadcast=chain,reduce=chain",
