@@ -10,7 +10,8 @@
 //! before and after the sweep, and the better of the two counts. One
 //! nccl-tests-style table gives every library's time and busbw per size, the
 //! best peer, ccl's busbw over the best peer's, and ccl's busbw over the
-//! bound.
+//! bound. Over TCP a second bound, a ring of plain loopback TCP streams
+//! ([`tcpbw`]), is measured before and after the sweep as well.
 
 use std::fmt::Write as _;
 
@@ -25,6 +26,7 @@ use crate::{
     plot::{self, Series},
     report::{self, Row, Versions},
     size::format_size,
+    tcpbw::{self, TcpRate},
 };
 
 /// One peer's figures for one size.
@@ -55,6 +57,12 @@ pub struct SizeRow {
     pub ccl_of_bound: Option<f64>,
     /// The best peer's busbw / the memory bound's busbw.
     pub best_peer_of_bound: Option<f64>,
+    /// ccl's busbw / the TCP bound's busbw (runs over TCP).
+    #[serde(default)]
+    pub ccl_of_tcp_bound: Option<f64>,
+    /// The best peer's busbw / the TCP bound's busbw (runs over TCP).
+    #[serde(default)]
+    pub best_peer_of_tcp_bound: Option<f64>,
 }
 
 /// A peer as it ran.
@@ -106,17 +114,38 @@ pub struct MemoryBound {
     pub definition: String,
 }
 
+/// The loopback TCP bound of a run over TCP ([`tcpbw`]).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TcpBound {
+    /// Streams in the ring: one per rank.
+    pub streams: usize,
+    pub buffer_bytes: u64,
+    pub before: TcpRate,
+    pub after: TcpRate,
+    /// The better of before and after (GB/s, all ranks together).
+    pub best_gbps: f64,
+    /// The busbw the collective would reach moving only its bytes at `best_gbps`.
+    pub bound_busbw_gbps: Option<f64>,
+    pub formula: String,
+    pub definition: String,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PeersReport {
     pub tool: String,
     pub config: PeersConfig,
     pub memory: MemoryBound,
+    /// Runs over TCP only.
+    #[serde(default)]
+    pub tcp: Option<TcpBound>,
     pub rows: Vec<SizeRow>,
     pub versions: Versions,
     pub unix_time: u64,
 }
 
 const BOUND_DEFINITION: &str = "copy: the faster of dst.copy_from_slice(src) and a copy with streaming stores, a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
+
+const TCP_BOUND_DEFINITION: &str = "tcp: one plain TCP stream per rank in a ring over loopback (rank i sends to rank i+1, receives from rank i-1), both ends on threads placed as the ranks, unpaced, moving buffers of the memory bound's size; GB/s received by all ranks together. Bound: the busbw if the collective only moved the bytes it must between ranks at that rate (for S bytes: allreduce 2(n-1)S; reduce-scatter, allgather, alltoall, broadcast and reduce (n-1)S)";
 
 fn usage(msg: &str) -> i32 {
     eprintln!("ccl-bench: compare: {msg}");
@@ -185,7 +214,7 @@ fn to_csv(rep: &PeersReport) -> String {
     let mut s = String::from(
         "collective,ranks,transport,dtype,op,root,inplace,iters,warmup,rounds,size_bytes,count,\
          library,version,time_us,median_time_us,algbw_gbps,busbw_gbps,best_peer,ccl_ratio_to_best,\
-         copy_gbps,add_gbps,bound_busbw_gbps\n",
+         copy_gbps,add_gbps,bound_busbw_gbps,tcp_gbps,tcp_bound_busbw_gbps\n",
     );
     let version = |name: &str| {
         c.peers
@@ -239,6 +268,13 @@ fn to_csv(rep: &PeersReport) -> String {
                 format!("{:.3}", rep.memory.best.add_gbps),
                 rep.memory
                     .bound_busbw_gbps
+                    .map_or_else(String::new, |b| format!("{b:.3}")),
+                rep.tcp
+                    .as_ref()
+                    .map_or_else(String::new, |t| format!("{:.3}", t.best_gbps)),
+                rep.tcp
+                    .as_ref()
+                    .and_then(|t| t.bound_busbw_gbps)
                     .map_or_else(String::new, |b| format!("{b:.3}")),
             ];
             let line: Vec<String> = fields.iter().map(|f| report::csv_field(f)).collect();
@@ -301,6 +337,16 @@ fn write_outputs(plan: &Plan, rep: &PeersReport) -> Result<(), String> {
                 points: rep.rows.iter().map(|r| (r.size_bytes, b)).collect(),
             });
         }
+        if let Some((b, t)) = rep
+            .tcp
+            .as_ref()
+            .and_then(|t| t.bound_busbw_gbps.map(|b| (b, t)))
+        {
+            series.push(Series {
+                label: format!("TCP bound ({})", t.formula),
+                points: rep.rows.iter().map(|r| (r.size_bytes, b)).collect(),
+            });
+        }
         let c = &rep.config;
         let title = format!(
             "{}: ccl vs peers, {} ranks, {}, {}",
@@ -312,6 +358,58 @@ fn write_outputs(plan: &Plan, rep: &PeersReport) -> Result<(), String> {
         plot::plot_busbw(p, &title, &series)?;
     }
     Ok(())
+}
+
+/// The TCP bound from the ring's rates before and after the sweep (the
+/// better counts), entered into `rows` and printed.
+fn tcp_bound(
+    coll: Coll,
+    n: usize,
+    buffer: usize,
+    before: TcpRate,
+    after: TcpRate,
+    rows: &mut [SizeRow],
+) -> TcpBound {
+    let best_gbps = before.gbps.max(after.gbps);
+    let bound = tcpbw::bound_busbw(coll, n, best_gbps);
+    for r in rows.iter_mut() {
+        r.ccl_of_tcp_bound = bound.map(|b| ratio(r.ccl.busbw_gbps, b));
+        r.best_peer_of_tcp_bound = bound.map(|b| ratio(r.best_peer_busbw_gbps, b));
+    }
+    println!("# TCP (after): {:.2} GB/s; best {best_gbps:.2}", after.gbps);
+    match bound {
+        Some(b) => {
+            println!(
+                "# TCP bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best ring rate (bench/README.md)",
+                coll.name(),
+                tcpbw::bound_formula(coll),
+            );
+            println!(
+                "# busbw / TCP bound, size by size: ccl {}; best peer {}",
+                ratio_list(rows, &|r| r.ccl_of_tcp_bound),
+                ratio_list(rows, &|r| r.best_peer_of_tcp_bound)
+            );
+        }
+        None => println!("# TCP bound: none for {} at {n} ranks", coll.name()),
+    }
+    TcpBound {
+        streams: n,
+        buffer_bytes: buffer as u64,
+        before,
+        after,
+        best_gbps,
+        bound_busbw_gbps: bound,
+        formula: tcpbw::bound_formula(coll).into(),
+        definition: TCP_BOUND_DEFINITION.into(),
+    }
+}
+
+/// `f` of every row, two decimals, "-" where it has none.
+fn ratio_list(rows: &[SizeRow], f: &dyn Fn(&SizeRow) -> Option<f64>) -> String {
+    rows.iter()
+        .map(|r| f(r).map_or_else(|| "-".into(), |x| format!("{x:.2}")))
+        .collect::<Vec<String>>()
+        .join(" ")
 }
 
 /// Runs `compare`; returns the exit status.
@@ -411,6 +509,21 @@ pub fn main(a: PeersArgs) -> i32 {
         before.add_gbps,
         format_size(buffer as u64)
     );
+    let tcp_before = match link {
+        Link::Tcp => match tcpbw::measure_ring(n, &cpus, buffer) {
+            Ok(r) => {
+                println!(
+                    "# TCP (before): {:.2} GB/s ({n} streams in a ring over loopback, {}, ends placed as the ranks, {} buffers)",
+                    r.gbps,
+                    r.congestion,
+                    format_size(buffer as u64)
+                );
+                Some(r)
+            }
+            Err(m) => return fail(&m),
+        },
+        Link::Shm => None,
+    };
     let mut names = vec!["ccl"];
     names.extend(peers.iter().map(|p| p.kind.name()));
     println!("#\n{}", head_lines(&names));
@@ -469,6 +582,8 @@ pub fn main(a: PeersArgs) -> i32 {
             // Filled in after the sweep, against the run's bound.
             ccl_of_bound: None,
             best_peer_of_bound: None,
+            ccl_of_tcp_bound: None,
+            best_peer_of_tcp_bound: None,
             ccl,
             ccl_round_times_us: ccl_times,
             peers: results,
@@ -496,20 +611,21 @@ pub fn main(a: PeersArgs) -> i32 {
                 coll.name(),
                 membw::bound_formula(coll, plan.inplace),
             );
-            let list = |f: &dyn Fn(&SizeRow) -> Option<f64>| {
-                rows.iter()
-                    .map(|r| f(r).map_or_else(|| "-".into(), |x| format!("{x:.2}")))
-                    .collect::<Vec<String>>()
-                    .join(" ")
-            };
             println!(
                 "# busbw / bound, size by size: ccl {}; best peer {}",
-                list(&|r| r.ccl_of_bound),
-                list(&|r| r.best_peer_of_bound)
+                ratio_list(&rows, &|r| r.ccl_of_bound),
+                ratio_list(&rows, &|r| r.best_peer_of_bound)
             );
         }
         None => println!("# memory bound: none for {} at {n} ranks", coll.name()),
     }
+    let tcp = match tcp_before {
+        Some(before) => match tcpbw::measure_ring(n, &cpus, buffer) {
+            Ok(after) => Some(tcp_bound(coll, n, buffer, before, after, &mut rows)),
+            Err(m) => return fail(&m),
+        },
+        None => None,
+    };
     let wins = rows.iter().filter(|r| r.ratio_to_best >= 1.0).count();
     let worst = rows
         .iter()
@@ -566,6 +682,7 @@ pub fn main(a: PeersArgs) -> i32 {
             formula: membw::bound_formula(coll, plan.inplace).into(),
             definition: BOUND_DEFINITION.into(),
         },
+        tcp,
         rows,
         versions: Versions::current(),
         unix_time: report::unix_time(),

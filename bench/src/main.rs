@@ -19,6 +19,7 @@ mod plot;
 mod report;
 mod size;
 mod spawn;
+mod tcpbw;
 mod tune;
 mod worker;
 

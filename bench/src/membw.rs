@@ -46,7 +46,7 @@ impl MemBw {
 const PASSES: usize = 4;
 const REPS: usize = 3;
 
-fn pin_current_thread(cpu: usize) {
+pub(crate) fn pin_current_thread(cpu: usize) {
     let mut set = CpuSet::new();
     if set.set(cpu).is_ok() {
         // Best effort: an unpinned thread only measures a less steady rate.

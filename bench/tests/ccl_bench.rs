@@ -814,6 +814,25 @@ fn compare_runs_every_peer() {
         let m = &v["memory"];
         assert!(m["best"]["copy_gbps"].as_f64().unwrap() > 0.0, "{m}");
         assert!(m["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{m}");
+        // Over TCP the ring of plain streams bounds it too; over shm it is not measured.
+        let t = &v["tcp"];
+        if link == "tcp" {
+            assert!(t["best_gbps"].as_f64().unwrap() > 0.0, "{t}");
+            assert!(t["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{t}");
+            assert!(
+                !t["after"]["congestion"].as_str().unwrap().is_empty(),
+                "{t}"
+            );
+            for r in rows {
+                assert!(r["ccl_of_tcp_bound"].as_f64().unwrap() > 0.0, "{r}");
+            }
+            assert!(
+                stdout.contains("# TCP bound of allreduce at 2 ranks"),
+                "{stdout}"
+            );
+        } else {
+            assert!(t.is_null(), "{t}");
+        }
         let csv_text = std::fs::read_to_string(&csv).unwrap();
         assert_eq!(csv_text.lines().count(), 1 + rows.len() * 5, "{csv_text}");
         assert_png(&png);
