@@ -10,8 +10,8 @@
 //! before and after the sweep, and the better of the two counts. One
 //! nccl-tests-style table gives every library's time and busbw per size, the
 //! best peer, ccl's busbw over the best peer's, and ccl's busbw over the
-//! bound. Over TCP a second bound, a ring of plain loopback TCP streams
-//! ([`tcpbw`]), is measured before and after the sweep as well.
+//! bound. Over TCP a second bound, plain loopback TCP streams placed as the
+//! ranks ([`tcpbw`]), is measured before and after the sweep as well.
 
 use std::fmt::Write as _;
 
@@ -117,12 +117,12 @@ pub struct MemoryBound {
 /// The loopback TCP bound of a run over TCP ([`tcpbw`]).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TcpBound {
-    /// Streams in the ring: one per rank.
-    pub streams: usize,
+    /// Ranks whose places the streams' ends take.
+    pub ranks: usize,
     pub buffer_bytes: u64,
     pub before: TcpRate,
     pub after: TcpRate,
-    /// The better of before and after (GB/s, all ranks together).
+    /// The fastest pattern of before and after (GB/s, all streams together).
     pub best_gbps: f64,
     /// The busbw the collective would reach moving only its bytes at `best_gbps`.
     pub bound_busbw_gbps: Option<f64>,
@@ -145,7 +145,7 @@ pub struct PeersReport {
 
 const BOUND_DEFINITION: &str = "copy: the faster of dst.copy_from_slice(src) and a copy with streaming stores, a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
 
-const TCP_BOUND_DEFINITION: &str = "tcp: one plain TCP stream per rank in a ring over loopback (rank i sends to rank i+1, receives from rank i-1), both ends on threads placed as the ranks, unpaced, moving buffers of the memory bound's size; GB/s received by all ranks together. Bound: the busbw if the collective only moved the bytes it must between ranks at that rate (for S bytes: allreduce 2(n-1)S; reduce-scatter, allgather, alltoall, broadcast and reduce (n-1)S)";
+const TCP_BOUND_DEFINITION: &str = "tcp: plain TCP streams over loopback between threads placed as the ranks, unpaced, moving buffers of the memory bound's size, in two patterns: a ring (rank i sends to rank i+1, receives from rank i-1, all at once) and one stream alone (rank 0 to rank 1); GB/s received by all streams together, the faster pattern counts. Bound: the busbw if the collective only moved the bytes it must between ranks at that rate (for S bytes: allreduce 2(n-1)S; reduce-scatter, allgather, alltoall, broadcast and reduce (n-1)S)";
 
 fn usage(msg: &str) -> i32 {
     eprintln!("ccl-bench: compare: {msg}");
@@ -370,17 +370,20 @@ fn tcp_bound(
     after: TcpRate,
     rows: &mut [SizeRow],
 ) -> TcpBound {
-    let best_gbps = before.gbps.max(after.gbps);
+    let best_gbps = before.best_gbps().max(after.best_gbps());
     let bound = tcpbw::bound_busbw(coll, n, best_gbps);
     for r in rows.iter_mut() {
         r.ccl_of_tcp_bound = bound.map(|b| ratio(r.ccl.busbw_gbps, b));
         r.best_peer_of_tcp_bound = bound.map(|b| ratio(r.best_peer_busbw_gbps, b));
     }
-    println!("# TCP (after): {:.2} GB/s; best {best_gbps:.2}", after.gbps);
+    println!(
+        "# TCP (after): a ring {:.2} GB/s, one stream {:.2} GB/s; best {best_gbps:.2}",
+        after.ring_gbps, after.one_gbps
+    );
     match bound {
         Some(b) => {
             println!(
-                "# TCP bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best ring rate (bench/README.md)",
+                "# TCP bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best rate (bench/README.md)",
                 coll.name(),
                 tcpbw::bound_formula(coll),
             );
@@ -393,7 +396,7 @@ fn tcp_bound(
         None => println!("# TCP bound: none for {} at {n} ranks", coll.name()),
     }
     TcpBound {
-        streams: n,
+        ranks: n,
         buffer_bytes: buffer as u64,
         before,
         after,
@@ -510,11 +513,12 @@ pub fn main(a: PeersArgs) -> i32 {
         format_size(buffer as u64)
     );
     let tcp_before = match link {
-        Link::Tcp => match tcpbw::measure_ring(n, &cpus, buffer) {
+        Link::Tcp => match tcpbw::measure(n, &cpus, buffer) {
             Ok(r) => {
                 println!(
-                    "# TCP (before): {:.2} GB/s ({n} streams in a ring over loopback, {}, ends placed as the ranks, {} buffers)",
-                    r.gbps,
+                    "# TCP (before): a ring of {n} streams {:.2} GB/s, one stream {:.2} GB/s (plain sockets over loopback, {}, ends placed as the ranks, {} buffers)",
+                    r.ring_gbps,
+                    r.one_gbps,
                     r.congestion,
                     format_size(buffer as u64)
                 );
@@ -620,7 +624,7 @@ pub fn main(a: PeersArgs) -> i32 {
         None => println!("# memory bound: none for {} at {n} ranks", coll.name()),
     }
     let tcp = match tcp_before {
-        Some(before) => match tcpbw::measure_ring(n, &cpus, buffer) {
+        Some(before) => match tcpbw::measure(n, &cpus, buffer) {
             Ok(after) => Some(tcp_bound(coll, n, buffer, before, after, &mut rows)),
             Err(m) => return fail(&m),
         },

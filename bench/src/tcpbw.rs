@@ -1,12 +1,12 @@
 //! The loopback TCP bound of a comparison over TCP, measured in the same run:
-//! n plain TCP streams in a ring (rank i's process sends to rank i+1's and
-//! receives from rank i-1's), each end on a thread pinned where its rank is,
-//! unpaced (the congestion control ccl's links within a host get) and moving
-//! nothing but bytes. Their aggregate rate is what the kernel's two copies
-//! per byte (into the socket, out of it) allow on this machine with every
-//! rank sending and receiving at once. [`bound_busbw`] turns it into the bus
-//! bandwidth a collective would reach if it only moved the bytes it must
-//! between ranks at that rate.
+//! plain TCP streams between threads pinned where the ranks are, unpaced
+//! (the congestion control ccl's links within a host get) and moving nothing
+//! but bytes, in two patterns: a ring (rank i sends to rank i+1 and receives
+//! from rank i-1, all at once) and one stream alone (rank 0 to rank 1). The
+//! faster pattern's aggregate rate is what the kernel's two copies per byte
+//! (into a socket, out of another) allow on this machine. [`bound_busbw`]
+//! turns it into the bus bandwidth a collective would reach if it only moved
+//! the bytes it must between ranks at that rate.
 
 use std::{
     io::{self, Read, Write},
@@ -23,7 +23,7 @@ use crate::{coll::Coll, membw::pin_current_thread};
 
 /// Passes over the buffer per timed repetition, and repetitions (the best counts).
 const PASSES: usize = 4;
-const REPS: usize = 3;
+const REPS: usize = 5;
 /// Bound on every read, write and the set-up of the streams.
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -36,37 +36,38 @@ fn socket(name: &str) -> io::Result<Socket> {
     Ok(s)
 }
 
-/// One measurement of the ring.
+/// One measurement of both patterns.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct TcpRate {
-    /// Bytes received per second by all ranks together (1e9).
-    pub gbps: f64,
+    /// The ring: bytes received per second by all ranks together (1e9).
+    pub ring_gbps: f64,
+    /// One stream alone, rank 0 to rank 1 (1e9 bytes per second).
+    pub one_gbps: f64,
     /// The congestion control the streams ran with.
     pub congestion: String,
 }
 
-/// Connects `n` streams in a ring over loopback: element i is rank i's
-/// (sending end to rank i+1, receiving end from rank i-1).
-fn ring(n: usize, congestion: &str) -> io::Result<Vec<(TcpStream, TcpStream)>> {
-    let mut listeners = Vec::with_capacity(n);
-    for _ in 0..n {
-        let s = socket(congestion)?;
-        s.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
-        s.listen(1)?;
-        s.set_nonblocking(true)?;
-        listeners.push(TcpListener::from(s));
+impl TcpRate {
+    /// The faster pattern's rate.
+    pub fn best_gbps(&self) -> f64 {
+        self.ring_gbps.max(self.one_gbps)
     }
-    let mut senders = Vec::with_capacity(n);
-    for i in 0..n {
-        let s = socket(congestion)?;
-        let to = listeners[(i + 1) % n].local_addr()?;
-        s.connect_timeout(&to.into(), DEADLINE)?;
-        senders.push(TcpStream::from(s));
-    }
-    let start = Instant::now();
-    let mut receivers = Vec::with_capacity(n);
-    for l in &listeners {
-        let stream = loop {
+}
+
+/// Connects a stream from rank `from` to rank `to` for each pair of `pairs`
+/// over loopback; returns (sending end, receiving end) per pair.
+fn connect(pairs: &[(usize, usize)], congestion: &str) -> io::Result<Vec<(TcpStream, TcpStream)>> {
+    let mut streams = Vec::with_capacity(pairs.len());
+    for _ in pairs {
+        let l = socket(congestion)?;
+        l.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
+        l.listen(1)?;
+        l.set_nonblocking(true)?;
+        let l = TcpListener::from(l);
+        let tx = socket(congestion)?;
+        tx.connect_timeout(&l.local_addr()?.into(), DEADLINE)?;
+        let start = Instant::now();
+        let rx = loop {
             match l.accept() {
                 Ok((s, _)) => break s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock && start.elapsed() < DEADLINE => {
@@ -75,19 +76,15 @@ fn ring(n: usize, congestion: &str) -> io::Result<Vec<(TcpStream, TcpStream)>> {
                 Err(e) => return Err(e),
             }
         };
-        stream.set_nonblocking(false)?;
-        receivers.push(stream);
-    }
-    // Listener i accepted rank i-1's stream: rank i receives on it.
-    let mut pairs = Vec::with_capacity(n);
-    for (tx, rx) in senders.into_iter().zip(receivers) {
+        rx.set_nonblocking(false)?;
+        let tx = TcpStream::from(tx);
         for s in [&tx, &rx] {
             s.set_read_timeout(Some(DEADLINE))?;
             s.set_write_timeout(Some(DEADLINE))?;
         }
-        pairs.push((tx, rx));
+        streams.push((tx, rx));
     }
-    Ok(pairs)
+    Ok(streams)
 }
 
 /// One end's part: [`REPS`] + 1 repetitions of [`PASSES`] buffers sent (or
@@ -124,30 +121,29 @@ fn run_end(
     (times, failed)
 }
 
-/// The aggregate rate (GB/s, 1e9 bytes received per second by all ranks
-/// together) of `n` TCP streams in a ring over loopback, rank i's ends
-/// pinned to `cpus[i % len]` (when not empty), each moving [`PASSES`]
-/// buffers of `bytes` per repetition; the best of [`REPS`] repetitions.
-pub fn measure_ring(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, String> {
-    if n < 2 {
-        return Err("a ring of TCP streams needs at least 2 ranks".into());
-    }
-    let pairs = ring(n, &Congestion::Auto.within_host())
-        .map_err(|e| format!("TCP bound: connecting {n} streams over loopback: {e}"))?;
-    let congestion = SockRef::from(&pairs[0].0)
-        .tcp_congestion()
-        .map(|c| {
-            String::from_utf8_lossy(&c)
-                .trim_end_matches('\0')
-                .to_string()
-        })
-        .unwrap_or_else(|e| format!("unknown ({e})"));
-    let barrier = Arc::new(Barrier::new(2 * n));
+/// The aggregate rate (GB/s, 1e9 bytes received per second by all streams
+/// together) of a stream per pair `(from, to)` of `pairs`, each end on a
+/// thread pinned where its rank is (`cpus[rank % len]`, when not empty),
+/// each stream moving [`PASSES`] buffers of `bytes` per repetition; the
+/// best of [`REPS`] repetitions.
+fn measure_streams(
+    pairs: &[(usize, usize)],
+    cpus: &[usize],
+    bytes: usize,
+    congestion: &str,
+) -> Result<f64, String> {
+    let streams = connect(pairs, congestion).map_err(|e| {
+        format!(
+            "TCP bound: connecting {} streams over loopback: {e}",
+            pairs.len()
+        )
+    })?;
+    let barrier = Arc::new(Barrier::new(2 * pairs.len()));
     let errors = Arc::new(Mutex::new(Vec::new()));
-    let mut handles = Vec::with_capacity(2 * n);
-    for (rank, (tx, rx)) in pairs.into_iter().enumerate() {
-        let cpu = (!cpus.is_empty()).then(|| cpus[rank % cpus.len()]);
-        for (stream, send) in [(tx, true), (rx, false)] {
+    let mut handles = Vec::with_capacity(2 * pairs.len());
+    for (&(from, to), (tx, rx)) in pairs.iter().zip(streams) {
+        for (stream, send, rank) in [(tx, true, from), (rx, false, to)] {
+            let cpu = (!cpus.is_empty()).then(|| cpus[rank % cpus.len()]);
             let (barrier, errors) = (barrier.clone(), errors.clone());
             handles.push(std::thread::spawn(move || {
                 if let Some(c) = cpu {
@@ -155,9 +151,10 @@ pub fn measure_ring(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, S
                 }
                 let (mut times, failed) = run_end(Some(stream), send, bytes, &barrier);
                 if let Some(e) = failed {
-                    let what = if send { "sending" } else { "receiving" };
+                    let what = if send { "sending to" } else { "receiving from" };
+                    let other = if send { to } else { from };
                     if let Ok(mut v) = errors.lock() {
-                        v.push(format!("rank {rank} {what}: {e}"));
+                        v.push(format!("rank {rank} {what} rank {other}: {e}"));
                     }
                 }
                 times.remove(0); // the first repetition warms up
@@ -165,7 +162,7 @@ pub fn measure_ring(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, S
             }));
         }
     }
-    let mut receiver_times = Vec::with_capacity(n);
+    let mut receiver_times = Vec::with_capacity(pairs.len());
     for h in handles {
         match h.join() {
             Ok((false, times)) => receiver_times.push(times),
@@ -178,16 +175,41 @@ pub fn measure_ring(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, S
         return Err(format!("TCP bound: {}", errors.join("; ")));
     }
     // A repetition lasts until its last receiver has all its bytes.
-    let gbps = (0..REPS)
+    Ok((0..REPS)
         .filter_map(|r| {
             let t = receiver_times
                 .iter()
                 .filter_map(|v| v.get(r))
                 .fold(0f64, |a, &b| a.max(b));
-            (t > 0.0).then(|| (n * PASSES * bytes) as f64 / t / 1e9)
+            (t > 0.0).then(|| (pairs.len() * PASSES * bytes) as f64 / t / 1e9)
         })
-        .fold(0f64, f64::max);
-    Ok(TcpRate { gbps, congestion })
+        .fold(0f64, f64::max))
+}
+
+/// Measures both patterns for `n` ranks placed on `cpus` (see the module
+/// docs), with buffers of `bytes`.
+pub fn measure(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, String> {
+    if n < 2 {
+        return Err("TCP bound: streams need at least 2 ranks".into());
+    }
+    let congestion = Congestion::Auto.within_host();
+    let ring: Vec<(usize, usize)> = (0..n).map(|i| (i, (i + 1) % n)).collect();
+    let ring_gbps = measure_streams(&ring, cpus, bytes, &congestion)?;
+    let one_gbps = measure_streams(&[(0, 1)], cpus, bytes, &congestion)?;
+    // What the kernel gave a socket opened as the streams' were.
+    let congestion = socket(&congestion)
+        .and_then(|s| SockRef::from(&s).tcp_congestion())
+        .map(|c| {
+            String::from_utf8_lossy(&c)
+                .trim_end_matches('\0')
+                .to_string()
+        })
+        .unwrap_or_else(|e| format!("unknown ({e})"));
+    Ok(TcpRate {
+        ring_gbps,
+        one_gbps,
+        congestion,
+    })
 }
 
 /// The busbw (GB/s, nccl-tests' factors) that `coll` on `n` ranks would
@@ -240,12 +262,15 @@ mod tests {
     }
 
     #[test]
-    fn a_ring_of_streams_moves_bytes() {
+    fn streams_move_bytes() {
         for n in [2, 3] {
-            let rate = measure_ring(n, &[], 256 * 1024).unwrap();
-            assert!(rate.gbps > 0.0, "{n} streams: {rate:?}");
+            let rate = measure(n, &[], 256 * 1024).unwrap();
+            assert!(
+                rate.ring_gbps > 0.0 && rate.one_gbps > 0.0,
+                "{n} ranks: {rate:?}"
+            );
             assert!(!rate.congestion.is_empty(), "{rate:?}");
         }
-        assert!(measure_ring(1, &[], 1024).is_err());
+        assert!(measure(1, &[], 1024).is_err());
     }
 }

@@ -814,10 +814,13 @@ fn compare_runs_every_peer() {
         let m = &v["memory"];
         assert!(m["best"]["copy_gbps"].as_f64().unwrap() > 0.0, "{m}");
         assert!(m["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{m}");
-        // Over TCP the ring of plain streams bounds it too; over shm it is not measured.
+        // Over TCP plain streams bound it too; over shm they are not measured.
         let t = &v["tcp"];
         if link == "tcp" {
             assert!(t["best_gbps"].as_f64().unwrap() > 0.0, "{t}");
+            for pattern in ["ring_gbps", "one_gbps"] {
+                assert!(t["before"][pattern].as_f64().unwrap() > 0.0, "{t}");
+            }
             assert!(t["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{t}");
             assert!(
                 !t["after"]["congestion"].as_str().unwrap().is_empty(),
