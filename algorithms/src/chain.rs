@@ -101,6 +101,20 @@ mod tests {
         assert_eq!(neighbours(0, 1, 0), (None, None));
     }
 
+    /// The root sends whole only where the next rank is the chain's last.
+    #[test]
+    fn the_root_sends_whole_to_the_last_rank_only() {
+        let sends = |s: &Schedule| {
+            s.ops
+                .iter()
+                .filter(|op| matches!(op.action, Action::Send { .. }))
+                .count()
+        };
+        assert_eq!(sends(&broadcast(0, 2, 0, 10, 3)), 1);
+        assert_eq!(sends(&broadcast(0, 3, 0, 10, 3)), 4);
+        assert_eq!(sends(&broadcast(1, 3, 0, 10, 3)), 4);
+    }
+
     /// Every segment is forwarded separately, so rank k can pass segment 0 on
     /// as soon as it has it.
     #[test]

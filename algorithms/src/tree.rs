@@ -138,7 +138,42 @@ pub fn reduce(
 
 #[cfg(test)]
 mod tests {
-    use super::links;
+    use super::*;
+
+    /// (peer, elements) of every send, or of every receive, in order.
+    fn moves(s: &Schedule, sends: bool) -> Vec<(usize, usize)> {
+        s.ops
+            .iter()
+            .filter_map(|op| match op.action {
+                Action::Send { peer, src } if sends => Some((peer, src.len)),
+                Action::Recv { peer, dst } if !sends => Some((peer, dst.len)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The root sends to a leaf in one message; edges to and from ranks that
+    /// forward keep their pieces.
+    #[test]
+    fn the_root_sends_to_leaves_whole() {
+        // 2 ranks: one message each way, whatever the piece.
+        assert_eq!(moves(&broadcast(0, 2, 0, 10, 3), true), [(1, 10)]);
+        assert_eq!(moves(&broadcast(1, 2, 0, 10, 3), false), [(0, 10)]);
+        // 4 ranks from root 0: 0 -> {2, 1}, 2 -> 3. Rank 1 is a leaf.
+        let root = moves(&broadcast(0, 4, 0, 10, 4), true);
+        assert_eq!(root, [(2, 4), (1, 10), (2, 4), (2, 2)]);
+        assert_eq!(moves(&broadcast(1, 4, 0, 10, 4), false), [(0, 10)]);
+        let inner = moves(&broadcast(2, 4, 0, 10, 4), false);
+        assert_eq!(inner, [(0, 4), (0, 4), (0, 2)]);
+        assert_eq!(
+            moves(&broadcast(2, 4, 0, 10, 4), true),
+            [(3, 4), (3, 4), (3, 2)]
+        );
+        assert_eq!(
+            moves(&broadcast(3, 4, 0, 10, 4), false),
+            [(2, 4), (2, 4), (2, 2)]
+        );
+    }
 
     #[test]
     fn tree_shape() {
