@@ -217,7 +217,7 @@ pub fn measure(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, String
 /// rate `rate`: for a buffer of S bytes, allreduce sends 2(n-1)S in all,
 /// reduce-scatter, allgather, alltoall and broadcast (n-1)S, reduce (n-1)S,
 /// sendrecv nS. `None` for gather and scatter (all bytes go through one
-/// root, which a ring's aggregate does not bound), barrier and a single rank.
+/// root, which an aggregate rate does not bound), barrier and a single rank.
 pub fn bound_busbw(coll: Coll, n: usize, rate: f64) -> Option<f64> {
     if n < 2 || rate <= 0.0 {
         return None;
