@@ -92,6 +92,13 @@ pub fn tag(secret: &JobSecret, label: &[u8]) -> [u8; MAC_LEN] {
         .into()
 }
 
+/// Whether `tag` is [`tag`]`(secret, label)`, compared in constant time.
+pub fn tag_matches(secret: &JobSecret, label: &[u8], tag: &[u8]) -> bool {
+    mac(secret, &[b"ccl-tag-v1 ", label])
+        .verify_slice(tag)
+        .is_ok()
+}
+
 /// Logs, once per process, that connections are not authenticated.
 pub fn warn_unauthenticated() {
     static ONCE: std::sync::Once = std::sync::Once::new();

@@ -91,11 +91,6 @@ pub fn fingerprint_mac(secret: &JobSecret, comm: u64, rank: usize, fp: &Fingerpr
     auth::tag(secret, &mac_label(comm, rank, fp))
 }
 
-/// Constant-time comparison.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// What a rank publishes under `quic/{rank}`: `addr fingerprint mac` (mac `-`
 /// without a secret).
 pub fn encode_published(
@@ -130,8 +125,8 @@ pub fn decode_published(
         .map_err(|_| format!("{addr:?} is not a socket address"))?;
     let fp = parse_hex32(fp).ok_or_else(|| format!("{fp:?} is not a SHA-256 fingerprint"))?;
     if let Some(secret) = secret {
-        let ok =
-            parse_hex32(mac).is_some_and(|m| same(&m, &fingerprint_mac(secret, comm, rank, &fp)));
+        let ok = parse_hex32(mac)
+            .is_some_and(|m| auth::tag_matches(secret, &mac_label(comm, rank, &fp), &m));
         if !ok {
             return Err(format!(
                 "the certificate fingerprint rank {rank} published is not authenticated with this \
@@ -183,7 +178,7 @@ impl ServerCertVerifier for PinnedServer {
         _now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
         let got = fingerprint(end_entity);
-        if same(&got, &self.expected) {
+        if got == self.expected {
             Ok(ServerCertVerified::assertion())
         } else {
             Err(pinned_error(
@@ -254,7 +249,7 @@ impl ClientCertVerifier for PinnedClients {
     ) -> std::result::Result<ClientCertVerified, rustls::Error> {
         let got = fingerprint(end_entity);
         let allowed = self.allowed.read().unwrap_or_else(|e| e.into_inner());
-        if allowed.iter().any(|a| same(a, &got)) {
+        if allowed.contains(&got) {
             Ok(ClientCertVerified::assertion())
         } else {
             Err(pinned_error(
