@@ -86,17 +86,17 @@ fn mac(secret: &JobSecret, parts: &[&[u8]]) -> HmacSha256 {
 /// A tag that depends on the secret and `label` (to mix the secret into
 /// identifiers, such as communicator ids, without revealing it).
 pub fn tag(secret: &JobSecret, label: &[u8]) -> [u8; MAC_LEN] {
-    mac(secret, &[b"ccl-tag-v1 ", label])
-        .finalize()
-        .into_bytes()
-        .into()
+    tag_mac(secret, label).finalize().into_bytes().into()
 }
 
 /// Whether `tag` is [`tag`]`(secret, label)`, compared in constant time.
 pub fn tag_matches(secret: &JobSecret, label: &[u8], tag: &[u8]) -> bool {
+    tag_mac(secret, label).verify_slice(tag).is_ok()
+}
+
+/// The MAC state of [`tag`] over `label`.
+fn tag_mac(secret: &JobSecret, label: &[u8]) -> HmacSha256 {
     mac(secret, &[b"ccl-tag-v1 ", label])
-        .verify_slice(tag)
-        .is_ok()
 }
 
 /// Logs, once per process, that connections are not authenticated.
