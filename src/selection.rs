@@ -59,6 +59,7 @@ impl Selection {
     }
 
     /// The tuner's choice for `coll`.
+    #[inline]
     pub(crate) fn choice(&self, coll: &Collective) -> Choice {
         self.tuner.choose(coll)
     }

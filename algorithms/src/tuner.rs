@@ -252,6 +252,7 @@ impl Tuner {
     /// group memory; recursive doubling for other allreduces up to 64 KiB;
     /// the first algorithm of the collective otherwise. A group algorithm
     /// is never chosen without group memory.
+    #[inline]
     pub fn choose(&self, coll: &Collective) -> Choice {
         let kind = coll.kind;
         let can = |a: Algorithm| a.implements(kind) && (!a.on_group_memory() || self.group_memory);

@@ -122,12 +122,14 @@ impl Fingerprint {
     }
 
     /// With a reduction op.
+    #[inline]
     pub fn with_op(mut self, op: ReduceOp) -> Fingerprint {
         self.op = op.tag();
         self
     }
 
     /// With a root rank.
+    #[inline]
     pub fn with_root(mut self, root: usize) -> Fingerprint {
         self.root = root as u32;
         self
@@ -180,6 +182,7 @@ pub struct FrameHeader {
 
 impl FrameHeader {
     /// A data frame header.
+    #[inline]
     pub fn data(
         comm: u64,
         seq: u64,
@@ -198,6 +201,7 @@ impl FrameHeader {
     }
 
     /// Encodes to the wire format.
+    #[inline]
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());

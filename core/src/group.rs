@@ -122,6 +122,7 @@ pub struct Deadline {
 
 impl Deadline {
     /// A deadline `timeout` after the first wait.
+    #[inline]
     pub fn after(timeout: Duration) -> Deadline {
         Deadline {
             timeout,

@@ -466,6 +466,7 @@ impl Engine {
     /// to run, and the progress thread, with nothing queued, sleeps. An
     /// abort from another thread waits until the board sees it and the
     /// call fails.
+    #[inline]
     pub fn run_group_now(
         &self,
         algorithm: Algorithm,

@@ -184,6 +184,7 @@ fn typed_mut<'a, T: bytemuck::Pod>(bytes: &'a mut [u8], what: &str) -> Result<&'
 /// All slices must have the same length, a multiple of the element size, and
 /// be aligned for the element type. `Avg` and `PreMulSum` combine by summing;
 /// their pre/post steps are [`prescale`] and [`finalize`].
+#[inline]
 pub fn reduce(
     op: ReduceOp,
     dtype: DataType,
@@ -329,11 +330,16 @@ pub fn prescale(op: ReduceOp, dtype: DataType, buf: &mut [u8]) -> Result<()> {
 
 /// `Avg`'s last step: divides a fully reduced buffer by `world_size`.
 /// Does nothing for the other ops.
+#[inline]
 pub fn finalize(op: ReduceOp, dtype: DataType, buf: &mut [u8], world_size: usize) -> Result<()> {
     if op != ReduceOp::Avg || world_size <= 1 || buf.is_empty() {
         return Ok(());
     }
-    let n = world_size;
+    divide(dtype, buf, world_size)
+}
+
+/// Divides every element of `buf` by `n` (`Avg`'s last step).
+fn divide(dtype: DataType, buf: &mut [u8], n: usize) -> Result<()> {
     macro_rules! int {
         ($t:ty) => {{
             let d = n as $t;
