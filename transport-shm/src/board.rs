@@ -62,7 +62,7 @@ use crate::{
     segment::Segment,
 };
 
-const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD02");
+const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD03");
 const HEAD: usize = 64;
 const LINE: usize = 64;
 /// Longest sleep before the waiter checks on the peer and the deadline.
@@ -173,14 +173,27 @@ fn payload_at(len: usize) -> usize {
 }
 
 /// A digest of an encoded frame header: equal headers give equal digests,
-/// and different ones differ but with a chance of 2⁻⁶⁴.
+/// headers that differ in one word always differ (each word goes through a
+/// bijection of its own), and headers that differ in more collide with a
+/// chance of about 2⁻⁶⁴.
 fn digest(header: &[u8; HEADER_LEN]) -> u64 {
-    // Each word folded in with a multiply-rotate step (as FxHash and
-    // wyhash do), then the bits mixed once more (the murmur3 finalizer).
-    let mut h = 0x243f_6a88_85a3_08d3_u64;
-    for w in header.chunks_exact(8) {
+    // Each word, offset by a constant of its own, is multiplied by an odd
+    // one: the products are independent (no chain of multiplies before a
+    // post is published), folded with xor and mixed once more (the murmur3
+    // finalizer).
+    const SEEDS: [u64; HEADER_LEN / 8] = [
+        0x243f_6a88_85a3_08d3,
+        0x1319_8a2e_0370_7344,
+        0xa409_3822_299f_31d0,
+        0x082e_fa98_ec4e_6c89,
+        0x4528_21e6_38d0_1377,
+        0xbe54_66cf_34e9_0c6c,
+        0xc0ac_29b7_c97c_50dd,
+    ];
+    let mut h = 0u64;
+    for (w, seed) in header.chunks_exact(8).zip(SEEDS) {
         let w = u64::from_le_bytes(w.try_into().expect("8 bytes"));
-        h = (h.rotate_left(5) ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^= (w ^ seed).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     }
     h ^= h >> 33;
     h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
@@ -873,6 +886,12 @@ mod tests {
         let variants = [
             FrameHeader { comm: 10, ..base },
             FrameHeader { seq: 6, ..base },
+            // The same words in other places.
+            FrameHeader {
+                comm: base.seq,
+                seq: base.comm,
+                ..base
+            },
             FrameHeader { step: 1, ..base },
             FrameHeader { len: 12, ..base },
             FrameHeader::data(
