@@ -187,19 +187,23 @@ fn measure<T: Val>(
         }
         call(comm, plan, case, device)?;
     }
-    comm.barrier()?;
     // Timed as nccl-tests does: the whole loop, from the barrier to the last
     // call's return. One clock read after each call also gives every
-    // iteration its time (from the end of the previous one).
-    let mut times = vec![0f64; plan.iters];
+    // iteration its time (from the end of the previous one, or with
+    // checking from the barrier before it), worked out after the loop: in
+    // it, a rank only stores the reading, into memory written beforehand.
+    let now = Instant::now();
+    let mut ends = vec![now; plan.iters];
+    let mut starts = vec![now; if plan.check { plan.iters } else { 0 }];
     let mut wrong = 0u64;
-    let mut last = Instant::now();
-    for t in times.iter_mut() {
+    comm.barrier()?;
+    let first = Instant::now();
+    for i in 0..plan.iters {
         if plan.check {
             prepare(case, device)?;
             // Checking takes each rank a different time: start together.
             comm.barrier()?;
-            last = Instant::now();
+            starts[i] = Instant::now();
         }
         if die {
             eprintln!(
@@ -209,9 +213,7 @@ fn measure<T: Val>(
             std::process::exit(3);
         }
         call(comm, plan, case, device)?;
-        let now = Instant::now();
-        *t = (now - last).as_secs_f64();
-        last = now;
+        ends[i] = Instant::now();
         if plan.check {
             if let Some((gpu, dev)) = device {
                 gpu.download(dev, case)?;
@@ -219,6 +221,16 @@ fn measure<T: Val>(
             wrong += case.wrong();
         }
     }
+    let times: Vec<f64> = (0..plan.iters)
+        .map(|i| {
+            let start = match (plan.check, i) {
+                (true, _) => starts[i],
+                (false, 0) => first,
+                (false, _) => ends[i - 1],
+            };
+            (ends[i] - start).as_secs_f64()
+        })
+        .collect();
     let mine = times.iter().sum::<f64>() / plan.iters as f64;
     let root = comm.rank() == 0;
     let mut slowest = vec![0f64; if root { plan.iters } else { 0 }];
