@@ -280,7 +280,7 @@ int main(int argc, char **argv) {
             bw_sum += busbw;
             if (busbw > bw_peak) bw_peak = busbw;
             rows++;
-            printf("  %12zu %12zu %6s %6s %5d %10s %12.2f %8.3f %8.3f %7s\n", bytes,
+            printf("  %12zu %12zu %6s %6s %5d %10s %12.3f %8.3f %8.3f %7s\n", bytes,
                    c == BARRIER ? (size_t)0 : bytes / es, dt->name, has_op(c) ? op->name : "none",
                    has_root(c) ? root : -1, "mpi", t * 1e6, algbw, busbw, "N/A");
             if (verbose) {

@@ -163,7 +163,7 @@ def main() -> int:
             rows += 1
             print(
                 f"  {nbytes:>12} {nbytes // es:>12} {a.d:>6} {a.o if coll in HAS_OP else 'none':>6} "
-                f"{a.r if coll in HAS_ROOT else -1:>5} {'gloo':>10} {t * 1e6:>12.2f} {algbw:>8.3f} {busbw:>8.3f} {'N/A':>7}"
+                f"{a.r if coll in HAS_ROOT else -1:>5} {'gloo':>10} {t * 1e6:>12.3f} {algbw:>8.3f} {busbw:>8.3f} {'N/A':>7}"
             )
             if a.v:
                 v = slowest[:-1].tolist()

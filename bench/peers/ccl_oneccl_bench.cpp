@@ -241,7 +241,7 @@ int main(int argc, char **argv) {
             bw_sum += busbw;
             bw_peak = std::max(bw_peak, busbw);
             rows++;
-            std::printf("  %12zu %12zu %6s %6s %5d %10s %12.2f %8.3f %8.3f %7s\n", bytes,
+            std::printf("  %12zu %12zu %6s %6s %5d %10s %12.3f %8.3f %8.3f %7s\n", bytes,
                         c == BARRIER ? (size_t)0 : bytes / es, dt->name, has_op(c) ? o->name : "none",
                         has_root(c) ? root : -1, "oneccl", t * 1e6, algbw, busbw, "N/A");
             if (verbose) {
