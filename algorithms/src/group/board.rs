@@ -259,10 +259,19 @@ impl BoardCall<'_> {
             } else {
                 round.post(&[])?;
             }
-            for r in 0..n {
-                round.read(r, posted(r))?;
-            }
             let is_root = me == coll.root;
+            // Every post's header is checked before any output is written,
+            // which a reduction of two posts below does by itself (it reads
+            // both before it writes).
+            let reduces_both = !direct
+                && n == 2
+                && (coll.kind == CollectiveKind::AllReduce
+                    || coll.kind == CollectiveKind::Reduce && is_root);
+            if !reduces_both {
+                for r in 0..n {
+                    round.read(r, posted(r))?;
+                }
+            }
             match coll.kind {
                 CollectiveKind::AllReduce | CollectiveKind::Reduce if direct => {
                     let (lo, hi) = share(me);
