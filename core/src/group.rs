@@ -6,8 +6,10 @@
 //! payload once (with the call's frame header, which readers check against
 //! their own), may publish a second part later in the round (a result it
 //! computed from the others' posts), and reads what it needs of the others'.
-//! A rank starts round `b + 1` only once every other rank has posted round
-//! `b`, and whatever it read in round `b` stays valid until then.
+//! Whatever a rank reads in round `b` stays valid until it posts a later
+//! round: its peers reuse that memory only then. A rank may start rounds
+//! ahead of peers whose posts it does not read, as far as the memory keeps
+//! rounds apart (the shared-memory board: 32 small rounds, two large ones).
 
 use std::{
     cell::Cell,
@@ -31,21 +33,25 @@ pub trait GroupMemory: Send + Sync {
     /// Payload bytes one rank can post in a round.
     fn slot_bytes(&self) -> usize;
 
-    /// Starts this rank's next round, once every other rank has posted the
-    /// round before (so that the memory it posts into is free); returns the
-    /// round's number.
+    /// Starts this rank's next round, once the other ranks have gone far
+    /// enough (posted the round before, or one some rounds back where the
+    /// memory keeps several rounds' headers) that the memory it posts its
+    /// header into is free; returns the round's number. A rank may thus
+    /// start rounds ahead of peers whose posts it does not read.
     fn begin(&self, deadline: &Deadline) -> Result<u64>;
 
     /// Posts this rank's payload of round `round`: `len` bytes of which this
     /// rank writes `parts`, each at its offset, with `header` (its `len`
     /// field taken as `len`). Readers read only the parts; the rest may be
-    /// published by [`GroupMemory::post_reduced`].
+    /// published by [`GroupMemory::post_reduced`]. May first wait, until
+    /// `deadline`, for readers of an earlier round to finish with the memory.
     fn post(
         &self,
         round: u64,
         header: &FrameHeader,
         len: usize,
         parts: &[(usize, &[u8])],
+        deadline: &Deadline,
     ) -> Result<()>;
 
     /// Waits for rank `rank` to post round `round` and returns its payload
@@ -63,13 +69,15 @@ pub trait GroupMemory: Send + Sync {
     /// The second phase of round `round`: lends bytes `offset..offset + len`
     /// of this rank's payload (a range no peer reads in the first phase) to
     /// `write`, which computes its result there, then publishes them. Where
-    /// `write` fails, nothing is published and its error is returned.
+    /// `write` fails, nothing is published and its error is returned. May
+    /// first wait as [`GroupMemory::post`] does.
     fn post_reduced(
         &self,
         round: u64,
         offset: usize,
         len: usize,
         write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+        deadline: &Deadline,
     ) -> Result<()>;
 
     /// Waits for rank `rank` to publish its second phase of round `round`

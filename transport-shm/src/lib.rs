@@ -39,7 +39,7 @@ use ccl_core::{
 use ccl_rendezvous::Config;
 use nix::unistd::Pid;
 
-pub use board::{board_slot_bytes, connect_board, Board};
+pub use board::{board_slot_bytes, connect_board, Board, HEADS, INLINE, SMALL};
 pub use link::REF_MIN;
 
 use doorbell::{Bell, Doorbell};

@@ -12,7 +12,7 @@ use ccl_core::{
     CollectiveKind, DataType, Deadline, Error, Fingerprint, FrameHeader, GroupMemory, Spin, Store,
 };
 use ccl_rendezvous::HashStore;
-use ccl_transport_shm::{connect_board, Board, SHM_DIR};
+use ccl_transport_shm::{connect_board, Board, HEADS, INLINE, SHM_DIR, SMALL};
 
 const SPIN: Spin = Spin {
     window: Duration::from_micros(20),
@@ -76,7 +76,7 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
                 let mine = vec![(rank as u8) ^ round as u8; len];
                 let (h, d) = (header(round, len), within(Duration::from_secs(10)));
                 let b = board.begin(d).unwrap();
-                board.post(b, &h, mine.len(), &[(0, &mine)]).unwrap();
+                board.post(b, &h, mine.len(), &[(0, &mine)], d).unwrap();
                 // Phase 1: every rank's block `rank` of every payload.
                 let mut sum = vec![0u8; block];
                 for p in 0..n {
@@ -88,10 +88,16 @@ fn every_rank_reads_every_reduced_part_over_many_rounds() {
                     }
                 }
                 board
-                    .post_reduced(b, rank * block, block, &mut |part| {
-                        part.copy_from_slice(&sum);
-                        Ok(())
-                    })
+                    .post_reduced(
+                        b,
+                        rank * block,
+                        block,
+                        &mut |part| {
+                            part.copy_from_slice(&sum);
+                            Ok(())
+                        },
+                        d,
+                    )
                     .unwrap();
                 // Phase 2: every rank's result.
                 for p in 0..n {
@@ -112,13 +118,15 @@ fn every_rank_reads_every_post_over_many_rounds() {
     for n in [2, 3, 5] {
         ranks(n, move |rank, board| {
             for round in 0..300u64 {
-                let len = (round as usize * 7) % 100;
+                // On the call-number line or after it in the head, or in a payload slot.
+                let r = round as usize;
+                let len = [(r * 7) % 100, SMALL - r % 64, SMALL + 1 + r][r % 3];
                 let mine: Vec<u8> = (0..len)
                     .map(|i| (rank * 31 + i) as u8 ^ round as u8)
                     .collect();
                 let (h, d) = (header(round, len), within(Duration::from_secs(10)));
                 let b = board.begin(d).unwrap();
-                board.post(b, &h, mine.len(), &[(0, &mine)]).unwrap();
+                board.post(b, &h, mine.len(), &[(0, &mine)], d).unwrap();
                 for p in 0..n {
                     let got = board.read(b, p, &h, len, d).unwrap();
                     let want: Vec<u8> =
@@ -136,13 +144,96 @@ fn different_calls_are_a_mismatch_on_both_sides() {
         let (h, d) = (header(1, 4 + rank), within(Duration::from_secs(10)));
         let b = board.begin(d).unwrap();
         board
-            .post(b, &h, 4 + rank, &[(0, &vec![0u8; 4 + rank])])
+            .post(b, &h, 4 + rank, &[(0, &vec![0u8; 4 + rank])], d)
             .unwrap();
         board.read(b, 1 - rank, &h, 4 + rank, d).unwrap_err()
     });
     for (rank, e) in errors.iter().enumerate() {
         assert!(
             matches!(e, Error::Mismatch { peer, .. } if *peer == 1 - rank),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+/// A rank that reads nobody's posts (a broadcast's root) makes `HEADS − 1`
+/// calls of up to `SMALL` bytes while the others have not started any, and no more; the
+/// others then read every one of them. A large payload waits for the others
+/// to reach the call before.
+#[test]
+fn a_rank_that_reads_nobody_runs_ahead_as_far_as_the_heads_allow() {
+    let go = Arc::new(Barrier::new(3));
+    ranks(3, move |rank, board| {
+        let ahead = HEADS as u64 - 1;
+        // Payloads on the call-number line and after the head's lines.
+        let len = |round: u64| if round % 2 == 0 { INLINE } else { SMALL };
+        let small = |round: u64| vec![round as u8; len(round)];
+        if rank == 0 {
+            for round in 1..=ahead {
+                let (h, d) = (header(round, len(round)), within(Duration::from_secs(10)));
+                let b = board.begin(d).unwrap();
+                board
+                    .post(b, &h, len(round), &[(0, &small(round))], d)
+                    .unwrap();
+            }
+            let short = within(Duration::from_millis(200));
+            match board.begin(short) {
+                Err(Error::Timeout { .. }) => {}
+                other => panic!(
+                    "call {} began before the others began call 2: {other:?}",
+                    ahead + 1
+                ),
+            }
+            go.wait();
+            return;
+        }
+        go.wait();
+        for round in 1..=ahead {
+            let (h, d) = (header(round, len(round)), within(Duration::from_secs(10)));
+            let b = board.begin(d).unwrap();
+            board.post(b, &h, 0, &[], d).unwrap();
+            let got = board.read(b, 0, &h, len(round), d).unwrap();
+            assert_eq!(got, &small(round)[..], "rank {rank} call {round}");
+        }
+    });
+    // A payload beyond the head: call 2's waits for the others' call 1.
+    let go = Arc::new(Barrier::new(2));
+    ranks(2, move |rank, board| {
+        let big = vec![7u8; SMALL + 1];
+        let d = within(Duration::from_secs(10));
+        if rank == 0 {
+            for round in 1..=2 {
+                let b = board.begin(d).unwrap();
+                let wait = within(Duration::from_millis(200));
+                let posted =
+                    board.post(b, &header(round, big.len()), big.len(), &[(0, &big)], wait);
+                match round {
+                    1 => posted.unwrap(),
+                    _ => assert!(matches!(posted, Err(Error::Timeout { .. })), "{posted:?}"),
+                }
+            }
+        }
+        go.wait();
+    });
+}
+
+/// Two ranks that read nothing of each other in a call do not see that
+/// their calls differ there; the next call in which one reads the other's
+/// post reports it, on the reader.
+#[test]
+fn an_unread_mismatch_is_reported_at_the_next_read() {
+    let errors = ranks(2, |rank, board| {
+        let d = within(Duration::from_secs(10));
+        let b = board.begin(d).unwrap();
+        board.post(b, &header(1, 4 + rank), 0, &[], d).unwrap();
+        let b = board.begin(d).unwrap();
+        let h = header(2, 4);
+        board.post(b, &h, 0, &[], d).unwrap();
+        board.read(b, 1 - rank, &h, 0, d).unwrap_err()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Mismatch { peer, theirs, .. } if *peer == 1 - rank && theirs.contains("earlier call")),
             "rank {rank}: {e}"
         );
     }
@@ -161,7 +252,7 @@ fn waiter_sees(leave: impl Fn(Board) + Send + Sync + 'static) -> (Error, Duratio
         let started = Instant::now();
         let (h, d) = (header(1, 0), within(Duration::from_secs(10)));
         let b = board.begin(d).unwrap();
-        board.post(b, &h, 0, &[]).unwrap();
+        board.post(b, &h, 0, &[], d).unwrap();
         let e = board.read(b, 0, &h, 0, d).unwrap_err();
         Some((e, started.elapsed()))
     });
@@ -201,7 +292,7 @@ fn a_silent_peer_is_a_timeout() {
         let started = Instant::now();
         let (h, d) = (header(1, 0), within(Duration::from_millis(300)));
         let b = board.begin(d).unwrap();
-        board.post(b, &h, 0, &[]).unwrap();
+        board.post(b, &h, 0, &[], d).unwrap();
         Some((board.read(b, 0, &h, 0, d).unwrap_err(), started.elapsed()))
     });
     let (e, took) = out.into_iter().flatten().next().unwrap();

@@ -12,9 +12,11 @@
 //! its chunk once (of n blocks, all but its own, which it takes from its
 //! input), reads what it needs from the others' posts, and computes its
 //! result locally (a reduction in rank order, so every rank gets the same
-//! bits; a reduce-scatter's block starts from the rank's own input). Every
-//! rank also checks every other rank's header, so that a rank that made
-//! another call is a mismatch, never a silent success.
+//! bits; a reduce-scatter's block starts from the rank's own input). A
+//! rank checks the header of every post it reads, so that a rank that made
+//! another call is a mismatch; where a rank reads nobody's posts (a
+//! broadcast's root, a reduce's other ranks) it returns once it posted, and
+//! the ranks that read it report the mismatch (`BoardCall::reads`).
 //!
 //! [`Algorithm::BoardDirect`](crate::Algorithm::BoardDirect)
 //! (allreduce, reduce): a chunk is cut into n shares. Each rank posts the
@@ -118,6 +120,22 @@ impl BoardCall<'_> {
         match self.call.coll.kind {
             CollectiveKind::Broadcast | CollectiveKind::Scatter => r == self.call.coll.root,
             CollectiveKind::Barrier => false,
+            _ => true,
+        }
+    }
+
+    /// Whether rank `me` reads rank `r`'s posts, and so checks its calls:
+    /// a broadcast's or scatter's root reads nobody's and the others only
+    /// the root's; a reduce's or gather's root reads everybody's and the
+    /// others nobody's (board-direct: everybody reads everybody's). A rank
+    /// that reads nobody's returns once it posted, as an MPI root does, and
+    /// may run ahead of the others (see the group memory's `begin`); a call
+    /// that does not match is reported on the ranks that read it.
+    fn reads(&self, me: usize, r: usize) -> bool {
+        let root = self.call.coll.root;
+        match self.call.coll.kind {
+            CollectiveKind::Broadcast | CollectiveKind::Scatter => me != root && r == root,
+            CollectiveKind::Reduce | CollectiveKind::Gather if !self.direct => me == root,
             _ => true,
         }
     }
@@ -260,15 +278,15 @@ impl BoardCall<'_> {
                 round.post(&[])?;
             }
             let is_root = me == coll.root;
-            // Every post's header is checked before any output is written,
-            // which a reduction of two posts below does by itself (it reads
-            // both before it writes).
+            // The header of every post this rank reads is checked before
+            // any output is written, which a reduction of two posts below
+            // does by itself (it reads both before it writes).
             let reduces_both = !direct
                 && n == 2
                 && (coll.kind == CollectiveKind::AllReduce
                     || coll.kind == CollectiveKind::Reduce && is_root);
             if !reduces_both {
-                for r in 0..n {
+                for r in (0..n).filter(|&r| self.reads(me, r)) {
                     round.read(r, posted(r))?;
                 }
             }

@@ -92,7 +92,8 @@ impl<'a> Round<'a> {
 
     /// Posts a payload of `len` bytes of which this rank writes `parts`.
     fn post_at(&self, len: usize, parts: &[(usize, &[u8])]) -> Result<()> {
-        self.mem.post(self.number, &self.header, len, parts)
+        self.mem
+            .post(self.number, &self.header, len, parts, self.deadline)
     }
 
     /// Rank `r`'s payload, which must be `len` bytes of this call.
@@ -109,7 +110,8 @@ impl<'a> Round<'a> {
         len: usize,
         write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
     ) -> Result<()> {
-        self.mem.post_reduced(self.number, offset, len, write)
+        self.mem
+            .post_reduced(self.number, offset, len, write, self.deadline)
     }
 
     /// Bytes `offset..offset + len` of rank `r`'s second phase.

@@ -1,8 +1,11 @@
 //! Group memory in this process's heap, for testing the group algorithms
-//! with ranks as threads: two slots per rank, each with a header, a payload
-//! and the numbers of the round it was posted (and its second phase
-//! published) for, as the shared-memory board has them. A waiter sleeps on a
-//! condition variable that every publication notifies.
+//! with ranks as threads, kept as the shared-memory board keeps it: per rank
+//! [`HEADS`] heads, each with a header, a small payload and the numbers of
+//! the round it was posted (and its second phase published) for, and two
+//! payload slots for larger payloads and second phases. Ranks run ahead of
+//! peers they do not read as far as the board lets them (fewer heads here, so
+//! that tests reuse them often). A waiter sleeps on a condition variable
+//! that every publication notifies.
 
 use std::{
     cell::UnsafeCell,
@@ -15,10 +18,15 @@ use std::{
 
 use ccl_core::{Deadline, Error, FrameHeader, GroupMemory, Result};
 
-/// One rank's slot of one parity.
-struct Slot {
+/// Heads per rank.
+const HEADS: u64 = 3;
+/// Largest payload kept in a head.
+const SMALL: usize = 48;
+
+/// One rank's head of one round modulo [`HEADS`].
+struct Head {
     header: Mutex<Option<FrameHeader>>,
-    payload: UnsafeCell<Vec<u8>>,
+    small: UnsafeCell<[u8; SMALL]>,
     posted: AtomicU64,
     reduced: AtomicU64,
 }
@@ -30,8 +38,10 @@ struct Shared {
     direct_min: Option<usize>,
     /// What [`GroupMemory::stream_min`] answers.
     stream_min: usize,
-    /// `slots[rank][round % 2]`.
-    slots: Vec<[Slot; 2]>,
+    /// `heads[rank][round % HEADS]`.
+    heads: Vec<Vec<Head>>,
+    /// `payloads[rank][round % 2]`.
+    payloads: Vec<[UnsafeCell<Vec<u8>>; 2]>,
     /// Rank that aborted, plus one, and whom it blamed.
     aborted: AtomicUsize,
     blamed: AtomicUsize,
@@ -41,8 +51,8 @@ struct Shared {
 
 // SAFETY: a payload is written only by its owner before it publishes the
 // round (and in the second phase, in ranges nobody reads before that
-// publication), and read only after; a rank starts a round only once every
-// reader finished the round that used the same slot before.
+// publication), and read only after; a rank writes a head or payload slot
+// only once every reader finished the round that used it before.
 unsafe impl Sync for Shared {}
 
 /// One rank's handle on group memory in the heap.
@@ -50,6 +60,8 @@ pub(super) struct MemGroup {
     shared: Arc<Shared>,
     rank: usize,
     rounds: AtomicU64,
+    /// The last round whose payload slot this rank found free.
+    payload_free_for: AtomicU64,
     left: AtomicBool,
 }
 
@@ -63,18 +75,22 @@ pub(super) fn group(
     direct_min: Option<usize>,
     stream_min: usize,
 ) -> Vec<MemGroup> {
-    let slot = || Slot {
+    let head = || Head {
         header: Mutex::new(None),
-        payload: UnsafeCell::new(vec![0; slot_bytes]),
+        small: UnsafeCell::new([0; SMALL]),
         posted: AtomicU64::new(0),
         reduced: AtomicU64::new(0),
     };
+    let payload = || UnsafeCell::new(vec![0; slot_bytes]);
     let shared = Arc::new(Shared {
         n,
         slot_bytes,
         direct_min,
         stream_min,
-        slots: (0..n).map(|_| [slot(), slot()]).collect(),
+        heads: (0..n)
+            .map(|_| (0..HEADS).map(|_| head()).collect())
+            .collect(),
+        payloads: (0..n).map(|_| [payload(), payload()]).collect(),
         aborted: AtomicUsize::new(0),
         blamed: AtomicUsize::new(0),
         changed: (Mutex::new(0), Condvar::new()),
@@ -84,14 +100,33 @@ pub(super) fn group(
             shared: shared.clone(),
             rank,
             rounds: AtomicU64::new(0),
+            payload_free_for: AtomicU64::new(0),
             left: AtomicBool::new(false),
         })
         .collect()
 }
 
 impl MemGroup {
-    fn slot(&self, rank: usize, round: u64) -> &Slot {
-        &self.shared.slots[rank][(round % 2) as usize]
+    fn head(&self, rank: usize, round: u64) -> &Head {
+        &self.shared.heads[rank][(round % HEADS) as usize]
+    }
+
+    /// Waits until every peer has posted round `round` or a later one.
+    fn wait_all_posted(&self, round: u64, deadline: &Deadline) -> Result<()> {
+        for p in (0..self.shared.n).filter(|&p| p != self.rank) {
+            let head = self.head(p, round);
+            self.wait_for(p, deadline, || head.posted.load(Ordering::Acquire) >= round)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until no peer reads this rank's payload slot of `round`.
+    fn payload_free(&self, round: u64, deadline: &Deadline) -> Result<()> {
+        if round >= 2 && self.payload_free_for.load(Ordering::Relaxed) != round {
+            self.wait_all_posted(round - 1, deadline)?;
+            self.payload_free_for.store(round, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     fn notify(&self) {
@@ -141,12 +176,16 @@ impl MemGroup {
         }
     }
 
-    /// Writes `parts` at their offsets of this rank's payload of `round`.
-    fn write(&self, round: u64, parts: &[(usize, &[u8])]) -> Result<()> {
-        let slot = self.slot(self.rank, round);
+    /// Writes `parts` at their offsets of this rank's `len`-byte payload of `round`.
+    fn write(&self, round: u64, len: usize, parts: &[(usize, &[u8])]) -> Result<()> {
         // SAFETY: this rank's own payload, which nobody reads until the
         // publication that follows (see `Shared`).
-        let payload = unsafe { &mut *slot.payload.get() };
+        let payload: &mut [u8] = unsafe {
+            match len <= SMALL {
+                true => &mut *self.head(self.rank, round).small.get(),
+                false => &mut *self.shared.payloads[self.rank][(round % 2) as usize].get(),
+            }
+        };
         for (at, part) in parts {
             payload
                 .get_mut(*at..at + part.len())
@@ -156,10 +195,24 @@ impl MemGroup {
         Ok(())
     }
 
-    fn payload(&self, rank: usize, round: u64, at: usize, len: usize) -> Result<&[u8]> {
+    /// Bytes `at..at + len` of rank `rank`'s payload slot of `round`, or
+    /// of its head's small payload (`small`).
+    fn payload(
+        &self,
+        rank: usize,
+        round: u64,
+        small: bool,
+        at: usize,
+        len: usize,
+    ) -> Result<&[u8]> {
         // SAFETY: published for this round, and not written again before
-        // this rank starts its next round (see `Shared`).
-        let payload = unsafe { &*self.slot(rank, round).payload.get() };
+        // this rank posts its next round (see `Shared`).
+        let payload: &[u8] = unsafe {
+            match small {
+                true => &*self.head(rank, round).small.get(),
+                false => &*self.shared.payloads[rank][(round % 2) as usize].get(),
+            }
+        };
         payload
             .get(at..at + len)
             .ok_or_else(|| Error::Internal(format!("bytes {at}..{} outside the slot", at + len)))
@@ -181,9 +234,9 @@ impl GroupMemory for MemGroup {
 
     fn begin(&self, deadline: &Deadline) -> Result<u64> {
         let b = self.rounds.load(Ordering::Relaxed) + 1;
-        for p in (0..self.shared.n).filter(|&p| p != self.rank) {
-            let prev = self.slot(p, b - 1);
-            self.wait_for(p, deadline, || prev.posted.load(Ordering::Acquire) >= b - 1)?;
+        // The head of round b was last used for round b - HEADS.
+        if b > HEADS {
+            self.wait_all_posted(b + 1 - HEADS, deadline)?;
         }
         self.rounds.store(b, Ordering::Relaxed);
         Ok(b)
@@ -195,6 +248,7 @@ impl GroupMemory for MemGroup {
         header: &FrameHeader,
         len: usize,
         parts: &[(usize, &[u8])],
+        deadline: &Deadline,
     ) -> Result<()> {
         if len > self.shared.slot_bytes || parts.iter().any(|(at, p)| at + p.len() > len) {
             return Err(Error::Internal(format!(
@@ -202,13 +256,16 @@ impl GroupMemory for MemGroup {
                 self.shared.slot_bytes
             )));
         }
-        self.write(round, parts)?;
-        let slot = self.slot(self.rank, round);
-        *slot.header.lock().unwrap() = Some(FrameHeader {
+        if len > SMALL {
+            self.payload_free(round, deadline)?;
+        }
+        self.write(round, len, parts)?;
+        let head = self.head(self.rank, round);
+        *head.header.lock().unwrap() = Some(FrameHeader {
             len: len as u64,
             ..*header
         });
-        slot.posted.store(round, Ordering::Release);
+        head.posted.store(round, Ordering::Release);
         self.notify();
         Ok(())
     }
@@ -221,17 +278,17 @@ impl GroupMemory for MemGroup {
         len: usize,
         deadline: &Deadline,
     ) -> Result<&[u8]> {
-        let slot = self.slot(rank, round);
+        let head = self.head(rank, round);
         self.wait_for(rank, deadline, || {
-            slot.posted.load(Ordering::Acquire) >= round
+            head.posted.load(Ordering::Acquire) >= round
         })?;
-        let got = slot.header.lock().unwrap().expect("posted with a header");
+        let got = head.header.lock().unwrap().expect("posted with a header");
         let expect = FrameHeader {
             len: len as u64,
             ..*header
         };
         expect.check_received(&got, self.rank, rank)?;
-        self.payload(rank, round, 0, len)
+        self.payload(rank, round, len <= SMALL, 0, len)
     }
 
     fn post_reduced(
@@ -240,16 +297,19 @@ impl GroupMemory for MemGroup {
         offset: usize,
         len: usize,
         write: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+        deadline: &Deadline,
     ) -> Result<()> {
-        let slot = self.slot(self.rank, round);
+        if len > 0 {
+            self.payload_free(round, deadline)?;
+        }
         // SAFETY: this rank's own payload, whose range `offset..offset +
         // len` nobody reads until the publication that follows (see `Shared`).
-        let payload = unsafe { &mut *slot.payload.get() };
+        let payload = unsafe { &mut *self.shared.payloads[self.rank][(round % 2) as usize].get() };
         let part = payload.get_mut(offset..offset + len).ok_or_else(|| {
             Error::Internal(format!("bytes {offset}..{} outside the slot", offset + len))
         })?;
         write(part)?;
-        self.slot(self.rank, round)
+        self.head(self.rank, round)
             .reduced
             .store(round, Ordering::Release);
         self.notify();
@@ -264,11 +324,11 @@ impl GroupMemory for MemGroup {
         len: usize,
         deadline: &Deadline,
     ) -> Result<&[u8]> {
-        let slot = self.slot(rank, round);
+        let head = self.head(rank, round);
         self.wait_for(rank, deadline, || {
-            slot.reduced.load(Ordering::Acquire) >= round
+            head.reduced.load(Ordering::Acquire) >= round
         })?;
-        self.payload(rank, round, offset, len)
+        self.payload(rank, round, false, offset, len)
     }
 
     fn direct_min(&self) -> Option<usize> {
