@@ -5,7 +5,7 @@
 //! its `b`-th board call a rank copies its payload into head `b % HEADS`
 //! (up to [`INLINE`] bytes on the call number's line, so that a small call
 //! moves one cache line from each rank to each other; up to [`SMALL`] bytes
-//! after the head's two lines) or else into payload slot `b % 2`, then
+//! in the head's small payload) or else into payload slot `b % 2`, then
 //! publishes `b` in the head's first word; the others
 //! wait for that word and read the payload. Next to the call number lies a
 //! digest of the call's frame header, which must match the digest of the
@@ -186,7 +186,7 @@ impl std::fmt::Debug for Board {
 /// with two and with 32, 475 with 64 and 492 with 128 (medians of 4
 /// alternating runs).
 pub const HEADS: usize = 32;
-/// Largest payload posted in a head, after its two lines: a small call that
+/// Largest payload posted in a head's small payload: a small call that
 /// does not fit the call-number line runs ahead as far as one that does.
 pub const SMALL: usize = 2048;
 /// Bytes of a head: the call-number line, the reduced line, a small payload.
