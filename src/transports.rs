@@ -236,7 +236,7 @@ impl Prepared {
                     )));
                 }
             }
-            let results = runtime.block_on(connector.connect(&mine, spin))?;
+            let results = runtime.block_on(connector.connect(&mine, peers, spin))?;
             let mut linked = 0;
             remaining = others;
             for (p, result) in mine.into_iter().zip(results) {

@@ -42,7 +42,9 @@ pub use repoll::Repoll;
 pub use secret::JobSecret;
 pub use spin::{allowed_cpus, Spin};
 pub use store::Store;
-pub use transport::{Connector, LinkClass, PairResult, PeerInfo, RepollWhen, Setup, Transport};
+pub use transport::{
+    cpu_mates, Connector, LinkClass, PairResult, PeerInfo, RepollWhen, Setup, Transport,
+};
 pub use window::SpinWindow;
 pub use work::{work_pair, Completer, Event, Work};
 

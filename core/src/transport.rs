@@ -93,6 +93,27 @@ impl PeerInfo {
     }
 }
 
+/// The ranks that take turns on `rank`'s CPUs: those of its host pinned to
+/// exactly its CPUs, where more ranks are pinned there than there are CPUs
+/// and the host's ranks are not all on the same CPUs (then none was pinned
+/// apart from the others). Data between two of them is written and read on
+/// the same CPU, one rank after the other.
+pub fn cpu_mates(everyone: &[PeerInfo], rank: usize) -> Vec<usize> {
+    let Some(me) = everyone.get(rank) else {
+        return Vec::new();
+    };
+    let on_host = |p: &PeerInfo| p.host == me.host;
+    let same = |p: &PeerInfo| on_host(p) && p.cpus == me.cpus;
+    let pinned_apart = everyone.iter().any(|p| on_host(p) && p.cpus != me.cpus);
+    let crowded = everyone.iter().filter(|p| same(p)).count() > me.cpus.len();
+    if me.cpus.is_empty() || !pinned_apart || !crowded {
+        return Vec::new();
+    }
+    (0..everyone.len())
+        .filter(|&p| p != rank && same(&everyone[p]))
+        .collect()
+}
+
 /// What a transport is given to set up the links of one rank.
 #[derive(Clone)]
 pub struct Setup {
@@ -151,13 +172,15 @@ pub trait Transport: Send + Sync {
 /// The second phase of a transport's set-up (see [`Transport::prepare`]).
 pub trait Connector: Send {
     /// Connects to `peers`, each of which calls this with this rank among
-    /// its peers; threads waiting on the links poll as `spin` says. One
+    /// its peers; `everyone` is what each rank published (by rank); threads
+    /// waiting on the links poll as `spin` says. One
     /// result per peer, in order: a pair that cannot use the transport fails
     /// on both sides alike with a reason (and falls to the next transport);
     /// an `Err` fails the whole set-up.
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        everyone: &'a [PeerInfo],
         spin: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>>;
 }
@@ -174,6 +197,53 @@ mod tests {
         }
         assert!(RepollWhen::OwnCpu.allows(false));
         assert!(!RepollWhen::OwnCpu.allows(true));
+    }
+
+    #[test]
+    fn cpu_mates_are_ranks_pinned_together_on_too_few_cpus() {
+        let info = |host: &str, cpus: &[usize]| PeerInfo {
+            host: host.into(),
+            pid: 1,
+            cpus: cpus.to_vec(),
+        };
+        // Four ranks bound round-robin to two CPUs.
+        let round_robin = [
+            info("a", &[0]),
+            info("a", &[1]),
+            info("a", &[0]),
+            info("a", &[1]),
+        ];
+        assert_eq!(cpu_mates(&round_robin, 0), [2]);
+        assert_eq!(cpu_mates(&round_robin, 3), [1]);
+        // The same on another host does not count.
+        let hosts = [
+            info("a", &[0]),
+            info("b", &[1]),
+            info("b", &[0]),
+            info("a", &[1]),
+        ];
+        assert!(cpu_mates(&hosts, 0).is_empty());
+        // Unpinned: every rank may run anywhere, none was placed with another.
+        let unpinned = [info("a", &[0, 1]), info("a", &[0, 1]), info("a", &[0, 1])];
+        assert!(cpu_mates(&unpinned, 0).is_empty());
+        // Two ranks on two CPUs of their own each have one.
+        let pairs = [
+            info("a", &[0, 1]),
+            info("a", &[0, 1]),
+            info("a", &[2, 3]),
+            info("a", &[2, 3]),
+        ];
+        assert!(cpu_mates(&pairs, 0).is_empty());
+        let three = [
+            info("a", &[0, 1]),
+            info("a", &[0, 1]),
+            info("a", &[0, 1]),
+            info("a", &[2]),
+        ];
+        assert_eq!(cpu_mates(&three, 1), [0, 2]);
+        // A CPU set the kernel did not report is no evidence.
+        let unknown = [info("a", &[]), info("a", &[]), info("a", &[0])];
+        assert!(cpu_mates(&unknown, 0).is_empty());
     }
 
     #[test]

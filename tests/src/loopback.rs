@@ -62,6 +62,7 @@ impl Connector for Pairing {
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        _: &'a [PeerInfo],
         _: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         Box::pin(async move { peers.iter().map(|&p| self.pair_with(p).map(Ok)).collect() })

@@ -284,6 +284,7 @@ impl Connector for mesh::Listening {
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        _: &'a [PeerInfo],
         _: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })

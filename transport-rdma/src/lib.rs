@@ -321,6 +321,7 @@ impl Connector for RdmaConnector {
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        _: &'a [PeerInfo],
         spin: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         Box::pin(async move {

@@ -175,6 +175,7 @@ impl Connector for ShmConnector {
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        _: &'a [PeerInfo],
         spin: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
         // Runs when polled, inside the runtime whose reactor serves the links.

@@ -58,7 +58,9 @@ fn pair<T: Send + 'static>(
                     secret: None,
                 };
                 let connector = ShmTransport::new(o).prepare(&setup).unwrap();
-                let mut links = rt.block_on(connector.connect(&[1 - rank], spin)).unwrap();
+                let mut links = rt
+                    .block_on(connector.connect(&[1 - rank], &[], spin))
+                    .unwrap();
                 let link = links.pop().unwrap().expect("shared memory works here");
                 f(rank, link, &rt)
             })

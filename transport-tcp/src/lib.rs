@@ -186,8 +186,12 @@ impl Connector for mesh::Listening {
     fn connect<'a>(
         self: Box<Self>,
         peers: &'a [usize],
+        everyone: &'a [PeerInfo],
         _: Spin,
     ) -> LinkFuture<'a, Vec<PairResult>> {
-        Box::pin(async move { Ok((*self).connect(peers).await?.into_iter().map(Ok).collect()) })
+        Box::pin(async move {
+            let links = (*self).connect(peers, everyone).await?;
+            Ok(links.into_iter().map(Ok).collect())
+        })
     }
 }

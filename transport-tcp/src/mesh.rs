@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{Error, JobSecret, Link, Result, Setup};
+use ccl_core::{cpu_mates, Error, JobSecret, Link, PeerInfo, Result, Setup};
 use ccl_rendezvous::auth::{self, Acceptor, Answer, AuthError};
 use futures::{future::try_join_all, stream::FuturesUnordered, StreamExt};
 use tokio::{
@@ -19,7 +19,7 @@ use tokio::{
 
 use crate::{
     link::TcpLink,
-    socket::{accepted, listen, local_address, open, watch_peer},
+    socket::{accepted, listen, local_address, open, share_cpu, watch_peer},
     Congestion, TcpOptions,
 };
 
@@ -196,7 +196,13 @@ impl Listening {
     /// rank in turn): this rank connects to the lower ones and waits for the
     /// higher ones' sockets, `nsocks` each, all within the set-up's timeout
     /// counted from [`listen_and_publish`]. One link per peer, in order.
-    pub(crate) async fn connect(self, peers: &[usize]) -> Result<Vec<Arc<dyn Link>>> {
+    /// `everyone` (what each rank published, or nothing) tells which peers
+    /// take turns on this rank's CPUs: their sockets get smaller buffers.
+    pub(crate) async fn connect(
+        self,
+        peers: &[usize],
+        everyone: &[PeerInfo],
+    ) -> Result<Vec<Arc<dyn Link>>> {
         let (setup, shared) = (&self.setup, &*self.shared);
         let (rank, world_size, store) = (setup.rank, setup.world_size, &*setup.store);
         if let Some(&bad) = peers.iter().find(|&&p| p >= world_size || p == rank) {
@@ -273,6 +279,7 @@ impl Listening {
             Err(_) => return Err(shared.timeout_error(peers, &addrs, setup.timeout)),
         }
 
+        let mates = cpu_mates(everyone, rank);
         let mut progress = lock(&shared.progress);
         let mut links: Vec<Arc<dyn Link>> = Vec::with_capacity(peers.len());
         for &peer in peers {
@@ -281,6 +288,11 @@ impl Listening {
             let streams = streams.ok_or_else(|| {
                 Error::Internal(format!("rank {rank}: socket to rank {peer} missing"))
             })?;
+            if mates.contains(&peer) {
+                for s in &streams {
+                    share_cpu(&socket2::SockRef::from(s), rank, peer);
+                }
+            }
             links.push(Arc::new(TcpLink::new(rank, peer, setup.comm, streams)));
         }
         tracing::debug!(
@@ -304,7 +316,7 @@ pub async fn connect_mesh(setup: &Setup, opts: &TcpOptions) -> Result<Vec<Option
     }
     let listening = listen_and_publish(setup, opts)?;
     let peers: Vec<usize> = (0..setup.world_size).filter(|&p| p != setup.rank).collect();
-    let links = listening.connect(&peers).await?;
+    let links = listening.connect(&peers, &[]).await?;
     let mut all: Vec<Option<Arc<dyn Link>>> = vec![None; setup.world_size];
     for (p, link) in peers.into_iter().zip(links) {
         all[p] = Some(link);
