@@ -19,7 +19,7 @@ use tokio::{
 
 use crate::{
     link::TcpLink,
-    socket::{accepted, listen, local_address, open, share_cpu, watch_peer},
+    socket::{accepted, listen, local_address, open, send_to_cpu_mate, watch_peer},
     Congestion, TcpOptions,
 };
 
@@ -197,7 +197,8 @@ impl Listening {
     /// higher ones' sockets, `nsocks` each, all within the set-up's timeout
     /// counted from [`listen_and_publish`]. One link per peer, in order.
     /// `everyone` (what each rank published, or nothing) tells which peers
-    /// take turns on this rank's CPUs: their sockets get smaller buffers.
+    /// take turns on this rank's CPUs: their sockets get smaller buffers
+    /// (see [`send_to_cpu_mate`]).
     pub(crate) async fn connect(
         self,
         peers: &[usize],
@@ -265,9 +266,10 @@ impl Listening {
         }
 
         // Connect down, and wait for the higher peers, concurrently.
+        let mates = cpu_mates(everyone, rank);
         let higher: Vec<usize> = peers.iter().copied().filter(|&p| p > rank).collect();
         let both = async {
-            tokio::try_join!(shared.connect_all(&addrs), async {
+            tokio::try_join!(shared.connect_all(&addrs, &mates), async {
                 shared.accepted_from(&higher).await;
                 Ok(())
             })
@@ -279,7 +281,6 @@ impl Listening {
             Err(_) => return Err(shared.timeout_error(peers, &addrs, setup.timeout)),
         }
 
-        let mates = cpu_mates(everyone, rank);
         let mut progress = lock(&shared.progress);
         let mut links: Vec<Arc<dyn Link>> = Vec::with_capacity(peers.len());
         for &peer in peers {
@@ -290,7 +291,7 @@ impl Listening {
             })?;
             if mates.contains(&peer) {
                 for s in &streams {
-                    share_cpu(&socket2::SockRef::from(s), rank, peer);
+                    send_to_cpu_mate(&socket2::SockRef::from(s), rank, peer);
                 }
             }
             links.push(Arc::new(TcpLink::new(rank, peer, setup.comm, streams)));
@@ -555,19 +556,27 @@ impl Shared {
     }
 
     /// Opens `nsocks` sockets to each of the wanted lower ranks, at `addrs`.
-    async fn connect_all(&self, addrs: &[(usize, SocketAddr)]) -> Result<()> {
+    /// Connects `nsocks` sockets to each of `addrs`; those to `mates`
+    /// ([`cpu_mates`]) with their buffers for a CPU mate.
+    async fn connect_all(&self, addrs: &[(usize, SocketAddr)], mates: &[usize]) -> Result<()> {
         let attempts = addrs
             .iter()
             .flat_map(|&(p, addr)| (0..self.nsocks).map(move |i| (p, addr, i)))
-            .map(|(p, addr, i)| self.connect_one(p, addr, i));
+            .map(|(p, addr, i)| self.connect_one(p, addr, i, mates.contains(&p)));
         try_join_all(attempts).await?;
         Ok(())
     }
 
-    async fn connect_one(&self, peer: usize, addr: SocketAddr, index: usize) -> Result<()> {
+    async fn connect_one(
+        &self,
+        peer: usize,
+        addr: SocketAddr,
+        index: usize,
+        mate: bool,
+    ) -> Result<()> {
         let mut backoff = Duration::from_millis(5);
         let mut stream = loop {
-            match open(addr, &self.congestion).await {
+            match open(addr, &self.congestion, mate).await {
                 Ok(s) => break s,
                 Err(e) => {
                     tracing::debug!(

@@ -47,41 +47,45 @@ fn large_buffers_granted() -> bool {
     })
 }
 
-/// Large send and receive buffers (set before connect or listen, so that the
-/// window scale covers them).
-fn set_buffers(s: &socket2::SockRef<'_>) -> std::io::Result<()> {
+/// Buffer size of a socket to a rank that takes turns on this rank's CPU
+/// ([`ccl_core::cpu_mates`]); the kernel doubles it. What one of the two
+/// writes into the socket the other reads on the same CPU after a context
+/// switch: with buffers of [`SOCKET_BUFFER`] it has left that CPU's caches by
+/// then. On a 2-CPU VM (1 MiB of L2 per core; 4 ranks over TCP, bound
+/// round-robin) 8 and 128 MiB broadcasts, reduces, allreduces and allgathers
+/// took 0.77–0.97 of their time with it; 256 KiB did no better, 1 MiB and
+/// 2 MiB worse.
+const MATE_BUFFER: usize = 512 << 10;
+
+/// The send and receive buffers of a socket about to connect: [`MATE_BUFFER`]
+/// bytes to a CPU mate (`mate`), else [`SOCKET_BUFFER`], where the kernel
+/// grants large ones (else the kernel's auto-tuning stays). Set before the
+/// handshake, so that the window scale covers them.
+fn set_buffers(s: &socket2::SockRef<'_>, mate: bool) -> std::io::Result<()> {
     if !large_buffers_granted() {
         return Ok(());
     }
-    s.set_send_buffer_size(SOCKET_BUFFER)?;
-    s.set_recv_buffer_size(SOCKET_BUFFER)
+    let size = if mate { MATE_BUFFER } else { SOCKET_BUFFER };
+    s.set_send_buffer_size(size)?;
+    s.set_recv_buffer_size(size)
 }
 
-/// Send and receive buffer size of a socket to a rank that takes turns on
-/// this rank's CPU ([`ccl_core::cpu_mates`]); the kernel doubles it. What one
-/// of the two writes into the socket the other reads on the same CPU after a
-/// context switch: with buffers of [`SOCKET_BUFFER`] it has left that CPU's
-/// caches by then. On a 2-CPU VM (1 MiB of L2 per core; 4 ranks over TCP,
-/// bound round-robin) 8 and 128 MiB broadcasts, reduces, allreduces and
-/// allgathers took 0.79–0.93 of their time; 256 KiB did no better, 1 MiB
-/// and 2 MiB worse.
-const MATE_BUFFER: usize = 512 << 10;
-
-/// Gives a connected socket to a CPU mate [`MATE_BUFFER`]-byte buffers
-/// (where large ones were granted; else the kernel's auto-tuning stays).
-/// A socket that refuses keeps its buffers: a slower link, not a failure.
-pub(crate) fn share_cpu(s: &socket2::SockRef<'_>, rank: usize, peer: usize) {
+/// Gives a connected socket to a CPU mate a [`MATE_BUFFER`]-byte send
+/// buffer, on the accepting side, whose socket took the listener's buffers
+/// (the connecting side set both before connecting). Its receive buffer
+/// stays: shrunk once the peer may have been offered a larger window, it
+/// drops data the peer already sent, and the link stalls until a
+/// retransmission timeout (about 200 ms). A socket that refuses keeps its
+/// buffer: a slower link, not a failure.
+pub(crate) fn send_to_cpu_mate(s: &socket2::SockRef<'_>, rank: usize, peer: usize) {
     if !large_buffers_granted() {
         return;
     }
-    if let Err(e) = s
-        .set_send_buffer_size(MATE_BUFFER)
-        .and_then(|()| s.set_recv_buffer_size(MATE_BUFFER))
-    {
+    if let Err(e) = s.set_send_buffer_size(MATE_BUFFER) {
         tracing::debug!(
             rank,
             peer,
-            "keeping the buffers of a socket to a CPU mate: {e}"
+            "keeping the send buffer of a socket to a CPU mate: {e}"
         );
     }
 }
@@ -204,7 +208,7 @@ pub(crate) fn listen(
     if addr.is_ipv6() {
         socket.set_only_v6(true).map_err(ctx)?;
     }
-    set_buffers(&(&socket).into()).map_err(ctx)?;
+    set_buffers(&(&socket).into(), false).map_err(ctx)?;
     set_congestion(&(&socket).into(), congestion, true);
     socket.set_nodelay(true).map_err(ctx)?;
     socket.bind(&addr.into()).map_err(ctx)?;
@@ -215,15 +219,19 @@ pub(crate) fn listen(
     Ok(socket.into())
 }
 
-/// A socket with large buffers and the congestion control `congestion`
-/// gives it connected to `addr`.
-pub(crate) async fn open(addr: SocketAddr, congestion: &Congestion) -> std::io::Result<TcpStream> {
+/// A socket connected to `addr`, with the buffers [`set_buffers`] gives it
+/// (for a CPU mate: `mate`) and the congestion control `congestion` gives it.
+pub(crate) async fn open(
+    addr: SocketAddr,
+    congestion: &Congestion,
+    mate: bool,
+) -> std::io::Result<TcpStream> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
     } else {
         TcpSocket::new_v6()?
     };
-    set_buffers(&socket2::SockRef::from(&socket))?;
+    set_buffers(&socket2::SockRef::from(&socket), mate)?;
     set_congestion(
         &socket2::SockRef::from(&socket),
         congestion,
@@ -261,7 +269,7 @@ mod tests {
             let listener = listen(SocketAddr::new(ip, 0), 4, congestion).expect("listener");
             let listener = TcpListener::from_std(listener).expect("registered");
             let addr = listener.local_addr().expect("address");
-            let (client, server) = tokio::join!(open(addr, congestion), listener.accept());
+            let (client, server) = tokio::join!(open(addr, congestion, false), listener.accept());
             let (client, (server, _)) = (client.expect("connected"), server.expect("accepted"));
             accepted(&server, congestion);
             (algorithm(&client), algorithm(&server))
