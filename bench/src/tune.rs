@@ -49,12 +49,12 @@ pub fn tune(args: TuneArgs) -> i32 {
     }
 }
 
-/// One sweep's medians: time (us) per (collective, links, world size), size
-/// and algorithm.
+/// One sweep's times per call (us) per (collective, links, world size),
+/// size and algorithm.
 type Measured = BTreeMap<(Coll, String, usize), BTreeMap<u64, Vec<(f64, String)>>>;
 
 /// Runs every sweep `--repeats` times; each point is the median of the runs'
-/// median times.
+/// times per call (each the slowest rank's timed loop over its iterations).
 fn measure(args: &TuneArgs) -> Result<Measured, String> {
     for l in &args.links {
         if l != "shm" && l != "tcp" {
@@ -129,11 +129,11 @@ fn measure(args: &TuneArgs) -> Result<Measured, String> {
                     let report: Report = serde_json::from_str(&text)
                         .map_err(|e| format!("{}: {e}", json.display()))?;
                     for row in report.rows {
-                        let t = if row.median_time_us > 0.0 {
-                            row.median_time_us
-                        } else {
-                            row.time_us
-                        };
+                        // The loop's time per call, the figure the benchmark
+                        // reports: a median iteration would hide an
+                        // algorithm's periodic stalls (a sender that fills its
+                        // socket buffers every few calls).
+                        let t = row.time_us;
                         runs.entry((row.size_bytes, row.algo)).or_default().push(t);
                     }
                 }
