@@ -289,7 +289,9 @@ impl Listening {
             let streams = streams.ok_or_else(|| {
                 Error::Internal(format!("rank {rank}: socket to rank {peer} missing"))
             })?;
-            if mates.contains(&peer) {
+            // The sockets to lower ranks had their buffers set before they
+            // connected; those this rank accepted, from higher ones, did not.
+            if peer > rank && mates.contains(&peer) {
                 for s in &streams {
                     send_to_cpu_mate(&socket2::SockRef::from(s), rank, peer);
                 }
@@ -555,9 +557,8 @@ impl Shared {
         true
     }
 
-    /// Opens `nsocks` sockets to each of the wanted lower ranks, at `addrs`.
-    /// Connects `nsocks` sockets to each of `addrs`; those to `mates`
-    /// ([`cpu_mates`]) with their buffers for a CPU mate.
+    /// Opens `nsocks` sockets to each of the wanted lower ranks, at `addrs`;
+    /// those to `mates` ([`cpu_mates`]) with the buffers for a CPU mate.
     async fn connect_all(&self, addrs: &[(usize, SocketAddr)], mates: &[usize]) -> Result<()> {
         let attempts = addrs
             .iter()
