@@ -197,7 +197,7 @@ impl Listening {
     /// higher ones' sockets, `nsocks` each, all within the set-up's timeout
     /// counted from [`listen_and_publish`]. One link per peer, in order.
     /// `everyone` (what each rank published, or nothing) tells which peers
-    /// take turns on this rank's CPUs: their sockets get smaller buffers
+    /// take turns on this rank's CPUs: their sockets get smaller send buffers
     /// (see [`send_to_cpu_mate`]).
     pub(crate) async fn connect(
         self,
@@ -558,7 +558,7 @@ impl Shared {
     }
 
     /// Opens `nsocks` sockets to each of the wanted lower ranks, at `addrs`;
-    /// those to `mates` ([`cpu_mates`]) with the buffers for a CPU mate.
+    /// those to `mates` ([`cpu_mates`]) with the send buffer for a CPU mate.
     async fn connect_all(&self, addrs: &[(usize, SocketAddr)], mates: &[usize]) -> Result<()> {
         let attempts = addrs
             .iter()

@@ -47,36 +47,40 @@ fn large_buffers_granted() -> bool {
     })
 }
 
-/// Buffer size of a socket to a rank that takes turns on this rank's CPU
-/// ([`ccl_core::cpu_mates`]); the kernel doubles it. What one of the two
+/// Send buffer size of a socket to a rank that takes turns on this rank's
+/// CPU ([`ccl_core::cpu_mates`]); the kernel doubles it. What one of the two
 /// writes into the socket the other reads on the same CPU after a context
-/// switch: with buffers of [`SOCKET_BUFFER`] it has left that CPU's caches by
-/// then. On a 2-CPU VM (1 MiB of L2 per core; 4 ranks over TCP, bound
-/// round-robin) 8 and 128 MiB broadcasts, reduces, allreduces and allgathers
-/// took 0.77–0.97 of their time with it; 256 KiB did no better, 1 MiB and
-/// 2 MiB worse.
+/// switch: with a send buffer of [`SOCKET_BUFFER`] it has left that CPU's
+/// caches by then. On a 2-CPU VM (1 MiB of L2 per core; 4 ranks over TCP,
+/// bound round-robin) 8 and 128 MiB broadcasts, reduces, allreduces and
+/// allgathers took 0.77–0.97 of their time with it; 256 KiB did no better,
+/// 1 MiB and 2 MiB worse.
 const MATE_BUFFER: usize = 512 << 10;
 
-/// The send and receive buffers of a socket about to connect: [`MATE_BUFFER`]
-/// bytes to a CPU mate (`mate`), else [`SOCKET_BUFFER`], where the kernel
-/// grants large ones (else the kernel's auto-tuning stays). Set before the
-/// handshake, so that the window scale covers them.
+/// The buffers of a socket about to listen or connect, where the kernel
+/// grants large ones (else the kernel's auto-tuning stays): a send buffer of
+/// [`MATE_BUFFER`] bytes to a CPU mate (`mate`), else [`SOCKET_BUFFER`], and
+/// a receive buffer of [`SOCKET_BUFFER`] either way. A smaller receive buffer
+/// fills up when a sender runs ahead of a reader that waits for its CPU (a
+/// broadcast's root sending one small message after another): the kernel
+/// offers a window sized by the payload its recent packets brought per byte
+/// of memory, small packets take more memory than that, and it drops what it
+/// offered room for; with 1 MiB, a 4-rank 8 KiB tree broadcast over TCP
+/// waited for a retransmission timeout once in a thousand calls (0.4 ms a
+/// call on average instead of 0.017). Set before the handshake, so that the
+/// window scale covers them; sockets a listener accepts inherit them.
 fn set_buffers(s: &socket2::SockRef<'_>, mate: bool) -> std::io::Result<()> {
     if !large_buffers_granted() {
         return Ok(());
     }
-    let size = if mate { MATE_BUFFER } else { SOCKET_BUFFER };
-    s.set_send_buffer_size(size)?;
-    s.set_recv_buffer_size(size)
+    s.set_send_buffer_size(if mate { MATE_BUFFER } else { SOCKET_BUFFER })?;
+    s.set_recv_buffer_size(SOCKET_BUFFER)
 }
 
 /// Gives a connected socket to a CPU mate a [`MATE_BUFFER`]-byte send
 /// buffer, on the accepting side, whose socket took the listener's buffers
-/// (the connecting side set both before connecting). Its receive buffer
-/// stays: shrunk once the peer may have been offered a larger window, it
-/// drops data the peer already sent, and the link stalls until a
-/// retransmission timeout (about 200 ms). A socket that refuses keeps its
-/// buffer: a slower link, not a failure.
+/// (the connecting side set its own before connecting). A socket that
+/// refuses keeps its buffer: a slower link, not a failure.
 pub(crate) fn send_to_cpu_mate(s: &socket2::SockRef<'_>, rank: usize, peer: usize) {
     if !large_buffers_granted() {
         return;

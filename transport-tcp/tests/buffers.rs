@@ -1,7 +1,6 @@
 //! Socket buffers of real TCP links on loopback: links between ranks that
-//! take turns on one CPU get smaller buffers than the others (both send
-//! buffers, and the receive buffer of the end that connects, which is set
-//! before the handshake). Each rank is a
+//! take turns on one CPU get smaller send buffers than the others, at both
+//! ends, and keep the large receive buffers. Each rank is a
 //! thread; `ss` reads the sockets while the links are up. Large buffers are
 //! only set where the kernel grants them (`net.core.rmem_max`/`wmem_max` of
 //! 4 MiB and more): this test raises both for its run where they are lower
@@ -98,7 +97,7 @@ fn sockets() -> Vec<Socket> {
 }
 
 #[test]
-fn sockets_between_cpu_mates_get_smaller_buffers() {
+fn sockets_between_cpu_mates_get_smaller_send_buffers() {
     let _granted = LargeBuffersGranted::new();
     // Rank 0 alone on CPU 0, ranks 1 and 2 pinned together to CPU 1.
     let cpus = [0, 1, 1];
@@ -173,18 +172,12 @@ fn sockets_between_cpu_mates_get_smaller_buffers() {
     for s in &others {
         assert!(s.send_buffer >= LARGE && s.recv_buffer >= LARGE, "{s:?}");
     }
-    // Both ends send through a smaller buffer; the connecting end (rank 2)
-    // also receives through one, set before it connected, while the
-    // accepting end keeps the receive buffer its peer was offered a window of.
+    // Both ends send through a smaller buffer (the connecting end, rank 2,
+    // set it before connecting; the accepting end after the handshake) and
+    // receive through a large one: a small receive buffer overflows when the
+    // mate runs ahead with small messages (see `set_buffers`).
     for s in &mates {
         assert!(s.send_buffer < LARGE && s.send_buffer >= 256 << 10, "{s:?}");
-        if s.ends[0] == l1 {
-            assert!(s.recv_buffer >= LARGE, "accepting end {s:?}");
-        } else {
-            assert!(
-                s.recv_buffer < LARGE && s.recv_buffer >= 256 << 10,
-                "connecting end {s:?}"
-            );
-        }
+        assert!(s.recv_buffer >= LARGE, "{s:?}");
     }
 }
