@@ -52,9 +52,9 @@ fn large_buffers_granted() -> bool {
 /// writes into the socket the other reads on the same CPU after a context
 /// switch: with a send buffer of [`SOCKET_BUFFER`] it has left that CPU's
 /// caches by then. On a 2-CPU VM (1 MiB of L2 per core; 4 ranks over TCP,
-/// bound round-robin) 8 and 128 MiB broadcasts, reduces, allreduces and
-/// allgathers took 0.77–0.97 of their time with it; 256 KiB did no better,
-/// 1 MiB and 2 MiB worse.
+/// bound round-robin) the six collectives at 128 MiB took 0.59–0.89 of
+/// their time with it (3 alternating runs); as the size of both buffers,
+/// 256 KiB did no better than 512 KiB, 1 MiB and 2 MiB worse.
 const MATE_BUFFER: usize = 512 << 10;
 
 /// The buffers of a socket about to listen or connect, where the kernel
