@@ -69,6 +69,10 @@ const IDLE_SOURCE_DIRECT_MAX: usize = 8 << 20;
 /// (medians of 3–6 alternating runs).
 const CHUNK_MAX: usize = 256 * 1024;
 
+/// The parts of one post, each at its offset in the payload: on the stack
+/// up to 8 (a call of up to 9 ranks posts without an allocation).
+type Parts<'a> = smallvec::SmallVec<[(usize, &'a [u8]); 8]>;
+
 /// One board call: the call and whether it runs as board-direct.
 pub(super) struct BoardCall<'a> {
     pub call: &'a Call,
@@ -253,7 +257,7 @@ impl BoardCall<'_> {
                 // The others reduce every share but this rank's own, which
                 // it reduces straight from its input.
                 let (lo, hi) = share(me);
-                let mut parts = Vec::new();
+                let mut parts = Parts::new();
                 for (at, from) in [(0, lo), (hi, len - hi)] {
                     // SAFETY: see above.
                     unsafe {
@@ -269,7 +273,7 @@ impl BoardCall<'_> {
             } else if self.posts(me) {
                 // Of n blocks (reduce-scatter, all-to-all, scatter), a rank
                 // takes its own from its input: it posts the others.
-                let parts: Vec<(usize, &[u8])> = (0..blocks)
+                let parts: Parts<'_> = (0..blocks)
                     .filter(|&b| b != me)
                     .map(|b| (b * len, inp(b * part + off, len)))
                     .collect();
