@@ -387,6 +387,23 @@ impl Board {
         self.seg.load(self.head_at(r, round))
     }
 
+    /// Maps every rank's control line and heads into this process now, by
+    /// reading a word of each of their pages: otherwise the first calls
+    /// that reach the heads' small payloads take a page fault for each page
+    /// of each rank, which a run of a few calls counts in full (on a 2-vCPU
+    /// VM a 2-rank allreduce of 128 B took 1.6 µs a call over 15 calls,
+    /// 0.25 µs over 20,000).
+    fn map_heads(&self) {
+        const PAGE: usize = 4096;
+        for r in 0..self.n {
+            let start = self.control(r);
+            let end = start + LINE + HEADS * HEAD_BYTES;
+            for at in (start..end).step_by(PAGE).chain([end - 8]) {
+                self.seg.load(at & !7);
+            }
+        }
+    }
+
     /// Marks this rank as gone (`why`) and wakes every rank sleeping on it.
     fn leave(&self, why: u32) {
         self.word32(self.rank, LEFT).store(why, Ordering::Release);
@@ -934,6 +951,7 @@ pub fn connect_board(
                 .flatten()
         })
         .collect();
+    board.map_heads();
     board.direct = board.agree_on_direct_reads(cma, &Deadline::after(left()))?;
     Ok(Ok(board))
 }
@@ -975,6 +993,40 @@ mod tests {
         };
         let zero = connect(0, store);
         (zero, other.join().expect("rank 1"))
+    }
+
+    /// Whether this process has the page at `addr` in its page table
+    /// (`/proc/self/pagemap`, bit 63).
+    fn page_present(addr: *const u8) -> bool {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut f = std::fs::File::open("/proc/self/pagemap").expect("pagemap");
+        f.seek(SeekFrom::Start((addr as u64 / 4096) * 8))
+            .expect("seek");
+        let mut entry = [0u8; 8];
+        f.read_exact(&mut entry).expect("a pagemap entry");
+        u64::from_le_bytes(entry) >> 63 == 1
+    }
+
+    /// Every page of every rank's heads is mapped once the board is
+    /// connected, so that no call takes a page fault on one; a payload
+    /// slot, which no call has used yet, is not (so the check can fail).
+    #[test]
+    fn every_page_of_the_heads_is_mapped_from_the_start() {
+        let boards = pair(Spin::default());
+        for board in [&boards.0, &boards.1] {
+            for r in 0..2 {
+                let start = board.control(r);
+                let end = start + LINE + HEADS * HEAD_BYTES;
+                for at in (start..end).step_by(4096).chain([end - 1]) {
+                    // SAFETY: inside the mapping.
+                    let addr = unsafe { board.seg.base().add(at) };
+                    assert!(page_present(addr), "rank {r}'s head byte {}", at - start);
+                }
+                // SAFETY: inside the mapping (a slot is at least 1 MiB here).
+                let slot = unsafe { board.seg.base().add(board.slot_at(r, 0) + 8192) };
+                assert!(!page_present(slot), "rank {r}'s slot is mapped already");
+            }
+        }
     }
 
     /// Direct reads are offered where every rank can make them, and then
