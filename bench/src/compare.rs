@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     args::{CompareTarget, PeersArgs, Plan},
+    c2c,
     coll::Coll,
     membw::{self, MemBw},
     peers::{self, Link, Peer, PeerKind, PeerRow, PeerTools},
@@ -37,6 +38,10 @@ pub struct PeerResult {
     pub row: PeerRow,
     /// Every round's time ([`report::TIME_DEFINITION`]), in run order.
     pub round_times_us: Vec<f64>,
+    /// The core-to-core round trip (ns) measured just before each round's
+    /// job, in run order ([`crate::c2c`]); `None` where it could not be.
+    #[serde(default)]
+    pub round_core_to_core_ns: Vec<Option<f64>>,
 }
 
 /// One size of the comparison.
@@ -46,6 +51,12 @@ pub struct SizeRow {
     pub count: u64,
     pub ccl: Row,
     pub ccl_round_times_us: Vec<f64>,
+    /// As [`PeerResult::round_core_to_core_ns`], before ccl's jobs.
+    #[serde(default)]
+    pub ccl_round_core_to_core_ns: Vec<Option<f64>>,
+    /// The median of every job's core-to-core round trip at this size.
+    #[serde(default)]
+    pub core_to_core_ns: Option<f64>,
     pub peers: Vec<PeerResult>,
     /// The peer with the highest busbw at this size.
     pub best_peer: String,
@@ -82,6 +93,10 @@ pub struct PeersConfig {
     /// shm or tcp: the links every library was forced onto (Gloo: TCP always).
     pub transport: Link,
     pub placement: String,
+    /// The CPUs of ranks 0 and 1, between which the round trip before each
+    /// job is measured; `None` with fewer than two CPUs.
+    #[serde(default)]
+    pub core_to_core_cpus: Option<(usize, usize)>,
     pub dtype: String,
     pub op: String,
     pub root: i64,
@@ -180,8 +195,8 @@ fn head_lines(names: &[&str]) -> String {
         );
         let _ = write!(b, " {:>TIME_W$} {:>BW_W$}", "(us)", "(busbw)");
     }
-    let _ = write!(a, " {:>8} {:>8}", "best", "ccl/best");
-    let _ = write!(b, " {:>8} {:>8}", "peer", "(busbw)");
+    let _ = write!(a, " {:>8} {:>8} {:>8}", "best", "ccl/best", "c2c");
+    let _ = write!(b, " {:>8} {:>8} {:>8}", "peer", "(busbw)", "(ns)");
     format!("{}\n{}", a.trim_end(), b.trim_end())
 }
 
@@ -198,7 +213,19 @@ fn row_line(r: &SizeRow) -> String {
         );
     }
     let _ = write!(s, " {:>8} {:>8.2}", r.best_peer, r.ratio_to_best);
+    match r.core_to_core_ns {
+        Some(ns) => write!(s, " {ns:>8.0}"),
+        None => write!(s, " {:>8}", "-"),
+    }
+    .expect("writing to a String");
     s
+}
+
+/// The median of the round trips that were measured.
+fn median_probe(probes: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    let mut v: Vec<f64> = probes.flatten().collect();
+    v.sort_by(f64::total_cmp);
+    (!v.is_empty()).then(|| v[v.len() / 2])
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -528,6 +555,15 @@ pub fn main(a: PeersArgs) -> i32 {
         },
         Link::Shm => None,
     };
+    let probe_cpus =
+        c2c::pair(&cpus).or_else(|| ccl_run::allowed_cpus().ok().and_then(|c| c2c::pair(&c)));
+    let probe = || probe_cpus.and_then(|(x, y)| c2c::round_trip_ns(x, y));
+    match probe_cpus {
+        Some((x, y)) => println!(
+            "# c2c = core-to-core round trip between CPUs {x} and {y} (those of ranks 0 and 1), measured before every job; the median per size (see README, \"Two speeds of one VM\")"
+        ),
+        None => println!("# c2c: not measured (fewer than two CPUs)"),
+    }
     let mut names = vec!["ccl"];
     names.extend(peers.iter().map(|p| p.kind.name()));
     println!("#\n{}", head_lines(&names));
@@ -537,12 +573,17 @@ pub fn main(a: PeersArgs) -> i32 {
         let entries = peers.len() + 1;
         let mut ccl_rounds: Vec<Row> = Vec::new();
         let mut peer_rounds: Vec<Vec<PeerRow>> = vec![Vec::new(); peers.len()];
+        let mut ccl_probes = Vec::with_capacity(a.rounds);
+        let mut peer_probes: Vec<Vec<Option<f64>>> = vec![Vec::new(); peers.len()];
         for round in 0..a.rounds {
             for k in 0..entries {
                 let e = (k + round) % entries;
+                let ns = probe();
                 let r = if e == 0 {
+                    ccl_probes.push(ns);
                     peers::run_ccl(&plan, n, link.name(), bytes, limit).map(|r| ccl_rounds.push(r))
                 } else {
+                    peer_probes[e - 1].push(ns);
                     peers[e - 1]
                         .run(&plan, n, bytes, limit)
                         .map(|r| peer_rounds[e - 1].push(r))
@@ -555,7 +596,13 @@ pub fn main(a: PeersArgs) -> i32 {
         let ccl_times: Vec<f64> = ccl_rounds.iter().map(|r| r.time_us).collect();
         let ccl = ccl_rounds.swap_remove(median_index(&ccl_times));
         let mut results = Vec::with_capacity(peers.len());
-        for (p, mut rounds) in peers.iter().zip(peer_rounds) {
+        let core_to_core_ns = median_probe(
+            ccl_probes
+                .iter()
+                .chain(peer_probes.iter().flatten())
+                .copied(),
+        );
+        for ((p, mut rounds), probes) in peers.iter().zip(peer_rounds).zip(peer_probes) {
             let times: Vec<f64> = rounds.iter().map(|r| r.time_us).collect();
             let row = rounds.swap_remove(median_index(&times));
             if row.size_bytes != ccl.size_bytes && coll != Coll::Barrier {
@@ -570,6 +617,7 @@ pub fn main(a: PeersArgs) -> i32 {
                 peer: p.kind.name().into(),
                 row,
                 round_times_us: times,
+                round_core_to_core_ns: probes,
             });
         }
         // The fastest peer (= the highest busbw, every peer moving the same size).
@@ -590,6 +638,8 @@ pub fn main(a: PeersArgs) -> i32 {
             best_peer_of_tcp_bound: None,
             ccl,
             ccl_round_times_us: ccl_times,
+            ccl_round_core_to_core_ns: ccl_probes,
+            core_to_core_ns,
             peers: results,
         };
         println!("{}", row_line(&row));
@@ -643,6 +693,24 @@ pub fn main(a: PeersArgs) -> i32 {
             w.best_peer
         );
     }
+    let mut probes: Vec<f64> = rows
+        .iter()
+        .flat_map(|r| {
+            r.ccl_round_core_to_core_ns
+                .iter()
+                .chain(r.peers.iter().flat_map(|p| &p.round_core_to_core_ns))
+        })
+        .flatten()
+        .copied()
+        .collect();
+    probes.sort_by(f64::total_cmp);
+    if let (Some(lo), Some(hi)) = (probes.first(), probes.last()) {
+        println!(
+            "# c2c over the run: median {:.0} ns, from {lo:.0} to {hi:.0} ns ({} jobs)",
+            probes[probes.len() / 2],
+            probes.len()
+        );
+    }
     let infos: Vec<PeerInfo> = peers
         .iter()
         .map(|p| PeerInfo {
@@ -662,6 +730,7 @@ pub fn main(a: PeersArgs) -> i32 {
             ranks: n,
             transport: link,
             placement,
+            core_to_core_cpus: probe_cpus,
             dtype: plan.dtype.name().into(),
             op: plan.op_label(),
             root: plan.root_label(),

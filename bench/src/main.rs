@@ -8,6 +8,7 @@
 
 mod args;
 mod bucketer;
+mod c2c;
 mod coll;
 mod compare;
 mod data;

@@ -5,7 +5,7 @@ use std::{fmt::Write as _, io::Write as _, path::Path};
 
 use serde::{Deserialize, Serialize};
 
-use crate::size::format_size;
+use crate::{c2c::Probe, size::format_size};
 
 /// How the time column is defined (also written into the JSON).
 pub const TIME_DEFINITION: &str =
@@ -71,6 +71,10 @@ pub struct RunConfig {
     pub timeout_s: f64,
     pub nsocks: usize,
     pub sizes_requested: Vec<u64>,
+    /// The round trip between the CPUs of ranks 0 and 1, measured before
+    /// ccl-bench started its ranks (absent under other launchers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub core_to_core: Option<Probe>,
     pub time_definition: String,
     pub size_definition: String,
 }

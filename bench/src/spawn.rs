@@ -15,10 +15,12 @@ use std::{
     os::unix::process::ExitStatusExt,
     process::{Command, ExitStatus, Stdio},
     sync::{mpsc, Arc, Mutex},
-    time::SystemTime,
+    time::{Instant, SystemTime},
 };
 
 use ccl_run::Bind;
+
+use crate::c2c;
 use nix::{
     sys::{
         signal::{kill, Signal},
@@ -32,6 +34,10 @@ pub const T0_VAR: &str = "CCL_BENCH_SPAWN_T0";
 
 /// Set in the ranks ccl-bench starts: where they run ("bound to CPUs 0 1").
 pub const PLACEMENT_VAR: &str = "CCL_BENCH_PLACEMENT";
+
+/// Set in the ranks ccl-bench starts: the core-to-core round trip between
+/// the CPUs of ranks 0 and 1, measured before they started ([`c2c::Probe::to_env`]).
+pub const CORE_TO_CORE_VAR: &str = "CCL_BENCH_CORE_TO_CORE";
 
 /// Nanoseconds since the epoch.
 pub fn epoch_ns(t: SystemTime) -> u128 {
@@ -114,6 +120,16 @@ pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32
         }
     };
     let placement = ccl_run::describe_binding(bind, n, &cpus);
+    // Unpinned ranks run anywhere: the probe takes the first two CPUs allowed.
+    let probing = Instant::now();
+    let probe = match (n, cpus.is_empty()) {
+        (1, _) => None,
+        (_, false) => c2c::pair(&cpus),
+        (_, true) => ccl_run::allowed_cpus().ok().and_then(|c| c2c::pair(&c)),
+    }
+    .map(c2c::Probe::measure);
+    // The set-up time the ranks report leaves the probe out.
+    let t0 = t0 + probing.elapsed();
     let ranks = Arc::new(Mutex::new(Ranks {
         pids: Vec::with_capacity(n),
         exited: Vec::with_capacity(n),
@@ -124,6 +140,9 @@ pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32
         cmd.args(args)
             .envs(rank_env(rank, n, port, t0))
             .env(PLACEMENT_VAR, &placement);
+        if let Some(p) = probe {
+            cmd.env(CORE_TO_CORE_VAR, p.to_env());
+        }
         if let Some(cpu) = ccl_run::cpu_of(rank, &cpus) {
             ccl_run::pin_to_cpu(&mut cmd, cpu);
         }

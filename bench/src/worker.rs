@@ -14,6 +14,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::{
     args::{self, Plan},
+    c2c,
     coll::Coll,
     data::{Case, CaseSpec, Val},
     device::{DeviceCase, OnGpu},
@@ -335,6 +336,9 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
     let spawned_at: Option<u128> = std::env::var(spawn::T0_VAR)
         .ok()
         .and_then(|v| v.parse().ok());
+    let core_to_core = std::env::var(spawn::CORE_TO_CORE_VAR)
+        .ok()
+        .and_then(|v| c2c::Probe::from_env(&v));
     let launcher = if spawned_at.is_some() {
         let placement = std::env::var(spawn::PLACEMENT_VAR).unwrap_or_default();
         format!("ccl-bench (local processes {placement})")
@@ -432,6 +436,12 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
         } else {
             println!(
                 "# setup: {setup_s:.3} s (rendezvous + connect, from process start; launcher not included) for {n} ranks"
+            );
+        }
+        if let Some(p) = core_to_core {
+            println!(
+                "# core-to-core round trip, measured before the ranks started: {}",
+                p.describe()
             );
         }
         println!("#\n{}", report::table_head());
@@ -550,6 +560,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             timeout_s: plan.timeout.as_secs_f64(),
             nsocks: config.knob_number("CCL_NSOCKS", 1, 1..=64)?,
             sizes_requested: plan.sizes.clone(),
+            core_to_core,
             time_definition: report::TIME_DEFINITION.into(),
             size_definition: "bytes of the whole buffer (n x per-rank part for allgather, \
                               reduce-scatter, alltoall, gather, scatter)"

@@ -146,6 +146,19 @@ fn allreduce_1mb_checks_clean() {
     assert_eq!(f[9], "0", "#wrong: {row}");
     assert!(stdout.contains("# ccl-bench allreduce: 2 ranks on 1 host"));
     assert!(stdout.contains("# setup: "), "{stdout}");
+    // The CPUs of ranks 0 and 1 (the first two allowed) and their round trip.
+    let line = stdout
+        .lines()
+        .find(|l| {
+            l.starts_with("# core-to-core round trip, measured before the ranks started: CPUs ")
+        })
+        .unwrap_or_else(|| panic!("a core-to-core line\n{stdout}"));
+    let ns: f64 = line
+        .strip_suffix(" ns")
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("a round trip in ns: {line}"));
+    assert!(ns > 0.0, "{line}");
     assert!(stdout.contains("# Avg bus bandwidth"));
     assert!(stdout.contains("# Out of bounds values : 0 OK"));
     assert_no_strays(&mark);
@@ -810,7 +823,19 @@ fn compare_runs_every_peer() {
                 assert!(p["busbw_gbps"].as_f64().unwrap() > 0.0, "{p}");
             }
             assert!(r["ratio_to_best"].as_f64().unwrap() > 0.0, "{r}");
+            // A core-to-core round trip before every job, one per round.
+            assert!(r["core_to_core_ns"].as_f64().unwrap() > 0.0, "{r}");
+            let ccl_probes = r["ccl_round_core_to_core_ns"].as_array().unwrap();
+            assert_eq!(ccl_probes.len(), 1, "{r}");
+            for p in ps {
+                assert_eq!(
+                    p["round_core_to_core_ns"].as_array().unwrap().len(),
+                    1,
+                    "{p}"
+                );
+            }
         }
+        assert!(stdout.contains("# c2c over the run: median "), "{stdout}");
         let m = &v["memory"];
         assert!(m["best"]["copy_gbps"].as_f64().unwrap() > 0.0, "{m}");
         assert!(m["bound_busbw_gbps"].as_f64().unwrap() > 0.0, "{m}");
