@@ -20,7 +20,7 @@ use crate::membw::pin_current_thread;
 
 /// Round trips timed, after as many untimed ones.
 const ROUND_TRIPS: u64 = 20_000;
-/// A probe gives up after this long (a CPU taken by something else).
+/// A wait of the probe gives up after this long (a CPU taken by something else).
 const LIMIT: Duration = Duration::from_millis(200);
 
 /// A word alone on its cache line.
@@ -104,9 +104,11 @@ fn set_count(set: &nix::sched::CpuSet) -> usize {
 }
 
 /// Spins until `word` reaches `value`; false once `stop` is set or the
-/// probe's time is up (and then sets `stop` for the other side).
+/// wait outlasts [`LIMIT`] (and then sets `stop` for the other side). The
+/// clock is read only once a wait has spun a while, so that a round trip
+/// does not time clock reads.
 fn wait_for(word: &AtomicU64, value: u64, stop: &AtomicU64) -> bool {
-    let started = Instant::now();
+    let mut started: Option<Instant> = None;
     let mut spins = 0u32;
     while word.load(Ordering::Acquire) != value {
         std::hint::spin_loop();
@@ -115,7 +117,7 @@ fn wait_for(word: &AtomicU64, value: u64, stop: &AtomicU64) -> bool {
             if stop.load(Ordering::Acquire) != 0 {
                 return false;
             }
-            if started.elapsed() > LIMIT {
+            if started.get_or_insert_with(Instant::now).elapsed() > LIMIT {
                 stop.store(1, Ordering::Release);
                 return false;
             }
