@@ -222,6 +222,10 @@ fn measure<T: Val>(
             wrong += case.wrong();
         }
     }
+    // No rank goes on (to the next size, or out of the run to tear down)
+    // before every rank has finished its loop: where ranks share CPUs, a rank
+    // that went on would take the CPU from one still timing its calls.
+    comm.barrier()?;
     let times: Vec<f64> = (0..plan.iters)
         .map(|i| {
             let start = match (plan.check, i) {
