@@ -102,12 +102,23 @@ pub trait GroupMemory: Send + Sync {
     /// stays valid and unchanged until it has read it.
     fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()>;
 
+    /// Copies `from` to address `addr` of rank `rank`'s memory, where
+    /// [`GroupMemory::direct_min`] offers direct reads. The caller makes
+    /// sure, through posts, that rank `rank` posted that memory for this
+    /// rank to write and touches it only once this rank says it is done.
+    fn write_direct(&self, rank: usize, addr: u64, from: &[u8]) -> Result<()>;
+
     /// The smallest output of a call, summed over the ranks, that group
     /// algorithms write with streaming stores, which bypass the caches
     /// ([`crate::kernels::copy_streaming`]): an output that large is not
     /// read again from a cache, and a streaming store does not first read
     /// the line it writes. `usize::MAX`: never.
     fn stream_min(&self) -> usize;
+
+    /// Whether the ranks of this memory outnumber the CPUs they may run on
+    /// (their waits yield to each other), so that no rank sits idle while
+    /// another copies.
+    fn ranks_share_cpus(&self) -> bool;
 
     /// Tells the other ranks that this rank gave up because of rank `blame`:
     /// those waiting for it fail at once, naming that rank.

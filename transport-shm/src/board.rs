@@ -57,7 +57,7 @@
 //! read every peer's memory by cross-memory attach (1) or not (2), which it
 //! learns at set-up by reading each peer's magic word at the peer's `base`.
 //! Where every rank can, [`GroupMemory::direct_min`] offers the group
-//! algorithms single copies out of each other's buffers.
+//! algorithms single copies out of and into each other's buffers.
 
 use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -427,10 +427,8 @@ impl Board {
     fn agree_on_direct_reads(&self, cma: bool, deadline: &Deadline) -> Result<bool> {
         let peers = || (0..self.n).filter(|&p| p != self.rank);
         let can = cma
-            && peers().all(|p| {
-                let pid = Pid::from_raw(self.word32(p, PID).load(Ordering::Acquire) as i32);
-                cma::probe(pid, self.seg.load(self.control(p) + BASE), MAGIC)
-            });
+            && peers()
+                .all(|p| cma::probe(self.pid(p), self.seg.load(self.control(p) + BASE), MAGIC));
         let mine = if can { CAN_READ } else { CANNOT_READ };
         self.word32(self.rank, DIRECT)
             .store(mine, Ordering::Release);
@@ -442,6 +440,30 @@ impl Board {
             all &= theirs() == CAN_READ;
         }
         Ok(all)
+    }
+
+    /// Rank `r`'s process.
+    fn pid(&self, r: usize) -> Pid {
+        Pid::from_raw(self.word32(r, PID).load(Ordering::Acquire) as i32)
+    }
+
+    /// The error of a direct read or write of rank `r`'s memory that failed.
+    fn cma_error(&self, r: usize, fault: Fault) -> Error {
+        match fault {
+            Fault::Exited => Error::PeerLost {
+                rank: self.rank,
+                peer: r,
+                call: String::new(),
+                cause: "its process exited".into(),
+            },
+            // A peer that gave up may have freed the buffer it posted.
+            Fault::Refused(msg) => self.departed(r).unwrap_or(Error::Protocol {
+                rank: self.rank,
+                peer: r,
+                call: String::new(),
+                msg,
+            }),
+        }
     }
 
     /// The error that names why rank `p` is gone, if it is: it aborted (the
@@ -762,23 +784,16 @@ impl GroupMemory for Board {
         STREAM_MIN
     }
 
+    fn ranks_share_cpus(&self) -> bool {
+        self.spin.yield_between
+    }
+
     fn read_direct(&self, r: usize, addr: u64, into: &mut [u8]) -> Result<()> {
-        let pid = Pid::from_raw(self.word32(r, PID).load(Ordering::Relaxed) as i32);
-        cma::read(pid, addr, into).map_err(|fault| match fault {
-            Fault::Exited => Error::PeerLost {
-                rank: self.rank,
-                peer: r,
-                call: String::new(),
-                cause: "its process exited".into(),
-            },
-            // A peer that gave up may have freed the buffer it posted.
-            Fault::Refused(msg) => self.departed(r).unwrap_or(Error::Protocol {
-                rank: self.rank,
-                peer: r,
-                call: String::new(),
-                msg,
-            }),
-        })
+        cma::read(self.pid(r), addr, into).map_err(|fault| self.cma_error(r, fault))
+    }
+
+    fn write_direct(&self, r: usize, addr: u64, from: &[u8]) -> Result<()> {
+        cma::write(self.pid(r), addr, from).map_err(|fault| self.cma_error(r, fault))
     }
 
     fn abort(&self, blame: usize) {
@@ -1043,16 +1058,25 @@ mod tests {
         zero.read_direct(1, theirs.as_ptr() as u64, &mut got)
             .expect("a direct read");
         assert!(got == theirs);
-        match zero.read_direct(1, 8, &mut got) {
-            Err(Error::Protocol {
-                rank: 0,
-                peer: 1,
-                msg,
-                ..
-            }) => {
-                assert!(msg.contains("0x8"), "{msg}")
+        let mut written = vec![0u8; theirs.len()];
+        one.write_direct(0, written.as_mut_ptr() as u64, &theirs)
+            .expect("a direct write");
+        assert!(std::hint::black_box(&written) == &theirs);
+        for e in [
+            zero.read_direct(1, 8, &mut got),
+            zero.write_direct(1, 8, &theirs),
+        ] {
+            match e {
+                Err(Error::Protocol {
+                    rank: 0,
+                    peer: 1,
+                    msg,
+                    ..
+                }) => {
+                    assert!(msg.contains("0x8"), "{msg}")
+                }
+                other => panic!("a read or write at address 8: {other:?}"),
             }
-            other => panic!("a read at address 8: {other:?}"),
         }
         for cma in [[true, false], [false, true]] {
             let (zero, one) = pair_with(Spin::default(), cma);

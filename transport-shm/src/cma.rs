@@ -1,20 +1,21 @@
-//! Cross-memory attach: copying straight out of another process's memory
-//! with `process_vm_readv`, one copy where a shared segment takes two. The
+//! Cross-memory attach: copying straight out of (`process_vm_readv`) or
+//! into (`process_vm_writev`) another process's memory, one copy where a
+//! shared segment takes two. The
 //! kernel allows it where ptrace would be allowed (same user, and a Yama or
 //! seccomp policy that does not forbid it), so every user probes first.
 
 use std::{
-    io::IoSliceMut,
+    io::{IoSlice, IoSliceMut},
     sync::atomic::{AtomicBool, Ordering},
 };
 
 use nix::{
     errno::Errno,
-    sys::uio::{process_vm_readv, RemoteIoVec},
+    sys::uio::{process_vm_readv, process_vm_writev, RemoteIoVec},
     unistd::Pid,
 };
 
-/// Why a read of another process's memory failed.
+/// Why a read or write of another process's memory failed.
 #[derive(Debug)]
 pub(crate) enum Fault {
     /// The process exited.
@@ -26,21 +27,41 @@ pub(crate) enum Fault {
 
 /// Copies `into.len()` bytes at `addr` of process `pid` into `into`.
 pub(crate) fn read(pid: Pid, addr: u64, into: &mut [u8]) -> Result<(), Fault> {
+    let len = into.len();
+    transfer(addr, len, "reading", |done, remote| {
+        process_vm_readv(pid, &mut [IoSliceMut::new(&mut into[done..])], &[remote])
+    })
+}
+
+/// Copies `from` to `addr` of process `pid`.
+pub(crate) fn write(pid: Pid, addr: u64, from: &[u8]) -> Result<(), Fault> {
+    transfer(addr, from.len(), "writing", |done, remote| {
+        process_vm_writev(pid, &[IoSlice::new(&from[done..])], &[remote])
+    })
+}
+
+/// Moves `len` bytes at `addr` of another process by calls of `step(done,
+/// remote)`, each moving the bytes from `done` on, until all have moved.
+fn transfer(
+    addr: u64,
+    len: usize,
+    what: &str,
+    mut step: impl FnMut(usize, RemoteIoVec) -> nix::Result<usize>,
+) -> Result<(), Fault> {
     let mut done = 0;
-    while done < into.len() {
+    while done < len {
         let remote = RemoteIoVec {
             base: addr as usize + done,
-            len: into.len() - done,
+            len: len - done,
         };
-        match process_vm_readv(pid, &mut [IoSliceMut::new(&mut into[done..])], &[remote]) {
+        match step(done, remote) {
             Ok(0) => return Err(Fault::Refused(format!("no bytes at address {addr:#x}"))),
             Ok(n) => done += n,
             Err(Errno::EINTR) => {}
             Err(Errno::ESRCH) => return Err(Fault::Exited),
             Err(e) => {
                 return Err(Fault::Refused(format!(
-                    "reading {} bytes at {addr:#x} of its memory: {e}",
-                    into.len()
+                    "{what} {len} bytes at {addr:#x} of its memory: {e}"
                 )))
             }
         }

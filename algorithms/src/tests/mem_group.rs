@@ -129,6 +129,17 @@ impl MemGroup {
         Ok(())
     }
 
+    /// Fails unless this memory offers direct reads and writes of `rank`.
+    fn offers_direct(&self, rank: usize) -> Result<()> {
+        if self.shared.direct_min.is_none() || rank >= self.shared.n {
+            return Err(Error::Internal(format!(
+                "rank {}: direct access to rank {rank}, which this group memory does not offer",
+                self.rank
+            )));
+        }
+        Ok(())
+    }
+
     fn notify(&self) {
         let (lock, cond) = &self.shared.changed;
         *lock.lock().unwrap() += 1;
@@ -339,18 +350,27 @@ impl GroupMemory for MemGroup {
         self.shared.stream_min
     }
 
+    fn ranks_share_cpus(&self) -> bool {
+        false
+    }
+
     fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()> {
-        if self.shared.direct_min.is_none() || rank >= self.shared.n {
-            return Err(Error::Internal(format!(
-                "rank {}: a direct read of rank {rank} this group memory does not offer",
-                self.rank
-            )));
-        }
+        self.offers_direct(rank)?;
         // SAFETY: ranks are threads of this process, and the algorithm
         // posted `addr` as a buffer of at least this length that stays
         // unchanged until this rank tells it is done reading.
         let from = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, into.len()) };
         into.copy_from_slice(from);
+        Ok(())
+    }
+
+    fn write_direct(&self, rank: usize, addr: u64, from: &[u8]) -> Result<()> {
+        self.offers_direct(rank)?;
+        // SAFETY: ranks are threads of this process, and the algorithm
+        // posted `addr` as a buffer of at least this length that its owner
+        // leaves alone until this rank tells it is done writing.
+        let to = unsafe { std::slice::from_raw_parts_mut(addr as usize as *mut u8, from.len()) };
+        to.copy_from_slice(from);
         Ok(())
     }
 
