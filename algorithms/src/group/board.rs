@@ -51,14 +51,16 @@ use crate::IoBuffers;
 /// and broadcast from 1 MiB 10–30% less.
 const SHARED_DIRECT_MAX: usize = 512 * 1024;
 
-/// The largest block of a gather copied directly. Through posts the
-/// senders copy into their slots while the root copies out, two cores
-/// sharing the memory traffic. Before senders wrote a share of their blocks
-/// themselves (see `BoardCall::read_share`), a 64 MiB gather at 2 ranks on
-/// a 2-core VM took 14.9–16.3 ms direct against 13.5–13.9 through posts;
-/// with the shares, direct was even with posts from 32 to 256 MiB (3 runs
-/// each, in and out of place), so the limit stays. A 2-rank broadcast has
-/// none: with the shares it was faster direct up to 128 MiB.
+/// The largest block of a gather of more than two ranks copied directly
+/// (where it was measured, at 2 ranks before the senders wrote a share of
+/// their blocks themselves, posts won beyond it: a 64 MiB gather on a 2-core
+/// VM took 14.9–16.3 ms direct against 13.5–13.9, as through posts the
+/// senders copy into their slots while the root copies out). A 2-rank
+/// gather or broadcast has none: with the shares (`BoardCall::read_share`)
+/// a gather was even with posts from 32 to 256 MiB while the VM's cores
+/// shared a cache, and 4–5 times faster while they did not (32 MiB: 1.5–1.8
+/// ms against 7.4; posts are read from the writer's cache), and a broadcast
+/// was faster direct up to 128 MiB.
 const GATHER_DIRECT_MAX: usize = 8 << 20;
 
 /// The largest chunk of a board call, except board-direct's where the
@@ -447,7 +449,7 @@ impl BoardCall<'_> {
             CollectiveKind::AllGather | CollectiveKind::Broadcast if self.call.world_size > 2 => {
                 SHARED_DIRECT_MAX
             }
-            CollectiveKind::Gather => GATHER_DIRECT_MAX,
+            CollectiveKind::Gather if self.call.world_size > 2 => GATHER_DIRECT_MAX,
             _ => usize::MAX,
         };
         moves && part > 0 && part <= max && mem.direct_min().is_some_and(|min| part >= min)
