@@ -1,8 +1,8 @@
 //! Cross-memory attach: copying straight out of (`process_vm_readv`) or
 //! into (`process_vm_writev`) another process's memory, one copy where a
-//! shared segment takes two. The
-//! kernel allows it where ptrace would be allowed (same user, and a Yama or
-//! seccomp policy that does not forbid it), so every user probes first.
+//! shared segment takes two. The kernel allows it where ptrace would be
+//! allowed (same user, and a Yama or seccomp policy that does not forbid
+//! it), so every user probes first.
 
 use std::{
     io::{IoSlice, IoSliceMut},
