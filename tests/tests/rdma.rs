@@ -133,6 +133,24 @@ fn device_transfers_move_gpu_memory_through_the_nic() {
     }
 }
 
+/// Ranks that send and exit at once, without dropping their communicators
+/// (their exit hook says bye): what they sent still arrives, the credits
+/// the receiver returns afterwards fail without failing anything, and a
+/// receive that still needs a rank that left fails at once, saying so.
+#[test]
+fn ranks_that_exit_right_after_sending_leave_cleanly() {
+    let fabric = Fabric::new("leave");
+    let out = launch(
+        WORKER,
+        &["leave"],
+        3,
+        &fabric.env(&[]),
+        Duration::from_secs(60),
+    );
+    assert_all_ok(&out, "ranks leaving early over rdma");
+    assert!(out[2].stdout.contains(" 0 failures"), "{}", out[2].text());
+}
+
 /// Completions reordered and delayed, and a ring of two slots, so that
 /// senders run out of credits all the time: the results are still right.
 /// A rank that waits long for its peer sleeps on the completion channel

@@ -40,7 +40,7 @@ const PEER_MEMORY_MODULES: [&str; 2] = [
 ];
 
 const SEND_DEPTH: u32 = 1024;
-/// Receives a queue pair holds (the protocol posts `2 × slots + 2`; the
+/// Receives a queue pair holds (the protocol posts `2 × slots + 3`; the
 /// largest ring the knobs allow is 4 095 slots).
 const RECV_DEPTH: u32 = 8192 + 2;
 /// The `wr_id` of every receive (the protocol's write ids start at 1 and

@@ -437,7 +437,11 @@ fn connect<V: Verbs>(
     for (&p, pair) in peers.iter().zip(verdicts) {
         let theirs = store.get(&format!("rdma/{p}-{rank}/ready"), setup.timeout)?;
         let state = match (pair, theirs.strip_prefix(b"refused ")) {
-            (Ok((peer, gdr)), None) => Ok((Arc::new(Mutex::new(peer)), gdr)),
+            (Ok((peer, gdr)), None) => {
+                let state = Arc::new(Mutex::new(peer));
+                link::close_at_exit_if_open(&state);
+                Ok((state, gdr))
+            }
             (Err(why), _) => Err(why),
             (Ok(_), Some(why)) => Err(format!(
                 "rank {p} refused this rank's RDMA set-up: {}",

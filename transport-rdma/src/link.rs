@@ -13,7 +13,10 @@
 //! instead. The engine's runtime is current-thread, so no waiter of another
 //! thread can take a notice between this one's arming and its sleep.
 //! A dropped send or receive is cancelled in the protocol, which fails the
-//! pair if it was in the middle of a message. Each time a waiting future
+//! pair if it was in the middle of a message. A dropped link says bye to
+//! its peer and waits (at most [`LINGER`]) until its writes have completed;
+//! an `atexit` hook does the same for the pairs of a process that exits
+//! without dropping its communicator (see `proto`'s module docs). Each time a waiting future
 //! polls its pair it takes in the other pairs' completions too: an eager
 //! send is done once posted, so its write can fail while the rank waits on
 //! another peer, and that failure must end the wait (the peer it starved is
@@ -52,6 +55,65 @@ const MAX_NAP: Duration = Duration::from_millis(1);
 /// Longest sleep on the completion channel before the pairs are polled
 /// again (well within the keep-alive interval).
 pub(crate) const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Longest a closing pair waits for its writes to complete (a peer that is
+/// gone takes the NIC's retries, about half a second, to say so).
+const LINGER: Duration = Duration::from_secs(2);
+
+/// A pair that can say bye ([`Peer::close`]), for the exit hook.
+trait Closing: Send + Sync {
+    fn close(&self, until: Instant);
+}
+
+impl<V: Verbs> Closing for Mutex<Peer<V>> {
+    fn close(&self, until: Instant) {
+        // The engine's thread may be polling it: wait, but not past `until`.
+        loop {
+            match self.try_lock() {
+                Ok(mut peer) => return peer.close(until),
+                Err(TryLockError::Poisoned(p)) => return p.into_inner().close(until),
+                Err(TryLockError::WouldBlock) if Instant::now() < until => std::thread::yield_now(),
+                Err(TryLockError::WouldBlock) => return,
+            }
+        }
+    }
+}
+
+/// Every pair of this process that may still be open, with the process
+/// that made it (a child forked later inherits the list, not the pairs).
+static OPEN_PAIRS: Mutex<Vec<(u32, Weak<dyn Closing>)>> = Mutex::new(Vec::new());
+
+/// At process exit: says bye on every pair still open, as dropping its
+/// link would, so that a rank that exits without dropping its communicator
+/// has its last eager sends delivered and its peers know it left.
+extern "C" fn close_at_exit() {
+    let me = std::process::id();
+    let open: Vec<Arc<dyn Closing>> = OPEN_PAIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|(pid, _)| *pid == me)
+        .filter_map(|(_, pair)| pair.upgrade())
+        .collect();
+    let until = Instant::now() + LINGER;
+    for pair in open {
+        pair.close(until);
+    }
+}
+
+/// Has `state` closed at process exit if it is still open then.
+pub(crate) fn close_at_exit_if_open<V: Verbs>(state: &PeerState<V>) {
+    static AT_EXIT: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a function that takes nothing and returns nothing,
+    // as atexit expects.
+    AT_EXIT.call_once(|| unsafe {
+        libc::atexit(close_at_exit);
+    });
+    let state: Arc<dyn Closing> = state.clone();
+    let mut open = OPEN_PAIRS.lock().unwrap_or_else(|p| p.into_inner());
+    open.retain(|(_, pair)| pair.strong_count() > 0);
+    open.push((std::process::id(), Arc::downgrade(&state)));
+}
 
 /// What the waiting futures of one communicator's links sleep on.
 pub(crate) struct Sleeper<V: Verbs> {
@@ -286,6 +348,12 @@ impl<V: Verbs> RdmaLink<V> {
             }
         })
         .await
+    }
+}
+
+impl<V: Verbs> Drop for RdmaLink<V> {
+    fn drop(&mut self) {
+        self.lock().close(Instant::now() + LINGER);
     }
 }
 

@@ -6,7 +6,7 @@
 //! registered; the 32-bit immediate says what it is:
 //!
 //! ```text
-//! bits 28..32  kind: 1 eager, 2 RTS, 3 CTS, 4 FIN, 5 credit, 6 abort
+//! bits 28..32  kind: 1 eager, 2 RTS, 3 CTS, 4 FIN, 5 credit, 6 abort, 7 bye
 //! bits 16..28  slots of the sender's ring the writer freed since it last said so
 //! bits  0..16  the slot written (eager, RTS, CTS, abort)
 //! ```
@@ -28,9 +28,16 @@
 //!   and reduces from there.
 //! * **Keepalive**: a side that waits writes no bytes to the peer now and
 //!   then; a peer that is gone turns it into a retry-exceeded completion.
+//! * **Bye**: a side that closes ([`Peer::close`]) writes `BYE` after its
+//!   last message and waits until every write it posted has completed, so
+//!   that what its eager sends handed over reaches the peer before its
+//!   process may exit and tear the queue pair down. The peer then writes
+//!   nothing more to it (no credits, no keepalives), forgives the failure of
+//!   a credit, keepalive or slot message it wrote before it knew, and fails
+//!   an operation that still needs the closed side, saying so.
 //!
-//! Every completion error becomes an [`Error`] naming the peer, and the peer
-//! stays failed: later operations get the same error.
+//! Every other completion error becomes an [`Error`] naming the peer, and
+//! the peer stays failed: later operations get the same error.
 
 use std::{
     sync::{Arc, Mutex},
@@ -57,6 +64,7 @@ const CTS: u32 = 3;
 const FIN: u32 = 4;
 const CREDIT: u32 = 5;
 const ABORT: u32 = 6;
+const BYE: u32 = 7;
 /// The slot field of a message that carries no slot.
 const NO_SLOT: u32 = 0xffff;
 /// Most credits one immediate returns.
@@ -194,6 +202,10 @@ pub struct Peer<V: Verbs> {
     /// Whether `error` came only from this side cancelling a receive: the
     /// queue pair still works, so an abort notice can still be sent.
     cancelled: bool,
+    /// This side said bye ([`Peer::close`]).
+    closed: bool,
+    /// The peer said bye: it sends and reads nothing more.
+    peer_closed: bool,
 }
 
 /// A send in progress (see [`Peer::poll_send`]).
@@ -331,8 +343,8 @@ impl<V: Verbs> Peer<V> {
     ) -> std::result::Result<Peer<V>, String> {
         let staging = Owned::new(&*verbs, cfg.slots * cfg.slot_bytes)?;
         // Every message in the ring, plus every credit message (each returns
-        // at least one slot), plus an abort.
-        for _ in 0..2 * cfg.slots + 2 {
+        // at least one slot), plus an abort and a bye.
+        for _ in 0..2 * cfg.slots + 3 {
             qp.post_recv()?;
         }
         Ok(Peer {
@@ -360,6 +372,8 @@ impl<V: Verbs> Peer<V> {
             last_probe: Instant::now(),
             error: None,
             cancelled: false,
+            closed: false,
+            peer_closed: false,
         })
     }
 
@@ -483,6 +497,16 @@ impl<V: Verbs> Peer<V> {
         self.check()?;
         let mut done = std::mem::take(&mut self.completions);
         self.qp.poll(&mut done);
+        // A bye anywhere in the batch forgives the failed writes before it
+        // too: it is the peer's last message, and its failures may come
+        // first where the completion queues interleave.
+        let bye = |c: &Completion| match c {
+            Completion::Recv { imm, status, .. } => *status == Status::Success && imm >> 28 == BYE,
+            Completion::Write { .. } => false,
+        };
+        if done.iter().any(bye) {
+            self.peer_closed = true;
+        }
         let mut result = Ok(());
         for c in done.drain(..) {
             match (&result, c) {
@@ -507,10 +531,53 @@ impl<V: Verbs> Peer<V> {
         if let Err(e) = result {
             return Err(self.fail(e));
         }
-        if self.to_return >= (self.cfg.slots / 2).max(1) {
+        if self.to_return >= (self.cfg.slots / 2).max(1) && self.talking() {
             self.post_bare(CREDIT)?;
         }
         Ok(())
+    }
+
+    /// Writes posted and not yet completed.
+    #[cfg(test)]
+    pub(crate) fn writes_in_flight(&self) -> usize {
+        self.posted.len()
+    }
+
+    /// Whether neither side said bye: only then does this side write
+    /// credits and keepalives.
+    fn talking(&self) -> bool {
+        !self.closed && !self.peer_closed
+    }
+
+    /// The error of an operation that needs a peer that said bye.
+    fn peer_left(&mut self) -> Error {
+        let e = self.lost(format!(
+            "rank {} closed its communicator (or its process exited) before this \
+             rank's messages to or from it were done",
+            self.peer
+        ));
+        self.fail(e)
+    }
+
+    /// Says bye to the peer and waits, polling until `until`, for every
+    /// write posted to it to complete (see the module docs). Does nothing
+    /// on a failed pair, or one the peer closed first.
+    pub fn close(&mut self, until: Instant) {
+        if self.closed || self.peer_closed || self.error.is_some() {
+            return;
+        }
+        self.closed = true;
+        if self.post_bare(BYE).is_err() {
+            return;
+        }
+        while !self.posted.is_empty() && Instant::now() < until {
+            if self.progress().is_err() || self.peer_closed {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        let e = self.lost("this rank closed the link".into());
+        self.fail(e);
     }
 
     /// Arms the queue pair's completion queue (see [`QueuePair::arm`]).
@@ -523,6 +590,9 @@ impl<V: Verbs> Peer<V> {
     /// checks now and then that the peer is still there.
     pub fn idle(&mut self) -> Result<()> {
         self.check()?;
+        if !self.talking() {
+            return Ok(());
+        }
         if self.to_return > 0 {
             self.post_bare(CREDIT)?;
         }
@@ -546,18 +616,27 @@ impl<V: Verbs> Peer<V> {
     fn complete(&mut self, c: Completion) -> Result<()> {
         match c {
             Completion::Write { id, status } => {
-                if status != Status::Success {
-                    return Err(self.completion_error(&status));
-                }
                 let Some(i) = self.posted.iter().position(|&(p, _)| p == id) else {
+                    if status != Status::Success {
+                        return Err(self.completion_error(&status));
+                    }
                     return Err(self.protocol(format!("completion of unknown work request {id}")));
                 };
-                let (_, purpose) = self.posted.remove(i).unwrap_or((id, Purpose::Bare));
+                let purpose = self.posted[i].1;
+                // Once the peer said bye, only a payload that may not have
+                // reached it still matters.
+                if status != Status::Success && !(self.peer_closed && purpose != Purpose::Data) {
+                    return Err(self.completion_error(&status));
+                }
+                self.posted.remove(i);
                 match purpose {
                     Purpose::Staging => self.staging_busy -= 1,
                     Purpose::Data => self.data_done = self.data_done.max(id),
                     Purpose::Bare => {}
                 }
+                Ok(())
+            }
+            Completion::Recv { status, .. } if status != Status::Success && self.peer_closed => {
                 Ok(())
             }
             Completion::Recv { imm, len, status } => {
@@ -599,6 +678,7 @@ impl<V: Verbs> Peer<V> {
             RTS => self.inbound.push_back(Inbound::Rts { slot, len }),
             FIN => self.inbound.push_back(Inbound::Fin { len }),
             CREDIT => {}
+            BYE => self.peer_closed = true,
             CTS => {
                 let b = self.ring.bytes(slot * self.cfg.slot_bytes, len.min(24));
                 if b.len() != 24 {
@@ -639,6 +719,11 @@ impl<V: Verbs> Peer<V> {
     /// Advances a send; `Ok(true)` once the caller's memory is no longer used.
     pub fn poll_send(&mut self, op: &mut SendOp) -> Result<bool> {
         self.check()?;
+        // A peer that said bye reads nothing more; a payload being written
+        // is known only from its completion.
+        if self.peer_closed && !matches!(op.state, SendState::Writing { .. } | SendState::Done) {
+            return Err(self.peer_left());
+        }
         loop {
             match op.state {
                 SendState::Done => return Ok(true),
@@ -736,6 +821,21 @@ impl<V: Verbs> Peer<V> {
         op: &mut RecvOp,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<bool> {
+        let done = self.advance_recv(op, sink)?;
+        // The bye came after everything the peer sent: what is not here
+        // now never comes.
+        if !done && self.peer_closed {
+            return Err(self.peer_left());
+        }
+        Ok(done)
+    }
+
+    /// [`Peer::poll_recv`] as far as what arrived allows.
+    fn advance_recv(
+        &mut self,
+        op: &mut RecvOp,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<bool> {
         self.check()?;
         let large = self.by_rendezvous(op.len, op.device);
         loop {
@@ -794,7 +894,7 @@ impl<V: Verbs> Peer<V> {
                     op.state = RecvState::Done;
                 }
                 RecvState::Start => {
-                    if !self.can_post_slot() {
+                    if !self.can_post_slot() || self.peer_closed {
                         return Ok(false);
                     }
                     let (dest, region) = match op.target {
@@ -956,7 +1056,8 @@ impl<V: Verbs> Peer<V> {
     pub fn abort(&mut self, notice: &AbortNotice) {
         // A pair failed only by this side's cancelled receive still reaches
         // the peer, which must learn why (the rank that failed first).
-        if self.error.is_none() || self.cancelled {
+        // A peer that said bye is not there to read it.
+        if (self.error.is_none() || self.cancelled) && !self.peer_closed {
             self.cancelled = false;
             let mut bytes = notice.encode();
             bytes.truncate(self.cfg.slot_bytes);

@@ -745,7 +745,7 @@ impl SimQp {
         if remote.qp.word(CLOSED).load(Ordering::Acquire) != 0 {
             return (Status::RetryExceeded, 0);
         }
-        if w.len == 0 && w.imm.is_none() && !alive(remote.pid) {
+        if w.len == 0 && !alive(remote.pid) {
             return (Status::RetryExceeded, 0);
         }
         if w.imm.is_some() {

@@ -598,6 +598,73 @@ fn a_lost_peer_is_peer_lost_naming_it() {
     }
 }
 
+/// Receives message `step` of `len` bytes on `a`, polling a bounded
+/// number of times; what arrived.
+fn receive(a: &mut P, step: u32, len: usize) -> crate::Result<Vec<u8>> {
+    let mut into = vec![0u8; len];
+    let mut recv = RecvOp::new(header(step, len), &mut into);
+    for _ in 0..100_000 {
+        a.progress()?;
+        if a.poll_recv(&mut recv, &mut |_| Ok(()))? {
+            return Ok(into);
+        }
+    }
+    panic!("message {step} never arrived");
+}
+
+/// A side that says bye right after its eager sends, and is then torn
+/// down: its messages still arrive; the credit and keepalive the receiver
+/// wrote to it before it saw the bye fail without failing the pair; an
+/// operation that needs the closed side fails at once, saying so.
+#[test]
+fn a_peer_that_said_bye_fails_only_what_needs_it() {
+    let fabric = Fabric::new();
+    let (mut a, mut b) = pair(&fabric, small(), Default::default());
+    let msgs = messages(&[10, 200, 3000]);
+    for (i, m) in msgs.iter().enumerate() {
+        let mut send = SendOp::new(header(i as u32, m.len()), m);
+        b.progress().unwrap();
+        assert!(b.poll_send(&mut send).unwrap(), "eager: done once posted");
+    }
+    assert_eq!(receive(&mut a, 0, 10).unwrap(), msgs[0]);
+    b.close(std::time::Instant::now() + Duration::from_secs(2));
+    assert_eq!(
+        b.writes_in_flight(),
+        0,
+        "the closing side waits for its writes"
+    );
+    drop(b);
+    // Not polled yet, the bye is unseen: the owed credit and a keepalive go
+    // to a queue pair that is gone.
+    std::thread::sleep(small().keepalive);
+    a.idle().unwrap();
+    assert_eq!(a.writes_in_flight(), 2);
+    assert_eq!(receive(&mut a, 1, 200).unwrap(), msgs[1]);
+    assert_eq!(receive(&mut a, 2, 3000).unwrap(), msgs[2]);
+    // Their failures come after the NIC's retries, and are forgiven.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while a.writes_in_flight() > 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the failed writes never completed"
+        );
+        a.progress().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let closed = |e: Error| match e {
+        Error::PeerLost {
+            rank: 0,
+            peer: 1,
+            cause,
+            ..
+        } if cause.contains("rank 1 closed its communicator") => {}
+        other => panic!("{other}"),
+    };
+    closed(receive(&mut a, 3, 4).unwrap_err());
+    let mut send = SendOp::new(header(4, 4), &[1, 2, 3, 4]);
+    closed(a.poll_send(&mut send).unwrap_err());
+}
+
 #[test]
 fn an_abort_notice_reaches_the_peer() {
     let fabric = Fabric::new();

@@ -314,6 +314,69 @@ fn serve_store() -> ! {
     }
 }
 
+/// Ranks 0 and 1 send rank 2 small messages and exit at once, without
+/// dropping their communicators; rank 2 takes them only once rank 1's
+/// process is gone (returning credits to it then), and a receive that still
+/// needs rank 1 fails, saying that it left.
+fn leave(comm: &Communicator, ck: &mut Checker) {
+    const MESSAGES: u32 = 12;
+    let me = std::process::id();
+    match comm.rank() {
+        0 => {
+            ck.ok("send before leaving", comm.send(&[me, 0], 2));
+        }
+        1 => {
+            for i in 0..MESSAGES {
+                ck.ok("send before leaving", comm.send(&[me, i], 2));
+            }
+        }
+        _ => {
+            let mut got = [0u32; 2];
+            if ck
+                .ok("receive from rank 1", comm.recv(&mut got, 1))
+                .is_none()
+            {
+                return;
+            }
+            let gone = |pid: u32| match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                Ok(stat) => stat
+                    .rsplit(')')
+                    .next()
+                    .is_some_and(|s| s.trim_start().starts_with('Z')),
+                Err(_) => true,
+            };
+            let until = Instant::now() + std::time::Duration::from_secs(20);
+            while !gone(got[0]) {
+                if Instant::now() > until {
+                    return ck.fail(format!("rank 1 (pid {}) did not exit", got[0]));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            let pid = got[0];
+            for i in 1..MESSAGES {
+                if ck
+                    .ok("receive after rank 1 left", comm.recv(&mut got, 1))
+                    .is_some()
+                {
+                    ck.vec("message from rank 1", &got, |j| [pid, i][j], 2);
+                }
+            }
+            if ck
+                .ok("receive after rank 0 left", comm.recv(&mut got, 0))
+                .is_some()
+            {
+                ck.vec("message from rank 0", &got[1..], |_| 0, 1);
+            }
+            match comm.recv(&mut got, 1) {
+                Err(e) if e.to_string().contains("rank 1 closed its communicator") => {
+                    ck.checks += 1
+                }
+                other => ck.fail(format!("a receive from rank 1 after it left: {other:?}")),
+            }
+        }
+    }
+}
+
 /// Waits up to a minute for `path` to exist.
 fn await_file(path: &std::path::Path) -> bool {
     let until = Instant::now() + std::time::Duration::from_secs(60);
@@ -650,6 +713,7 @@ fn main() {
                 }
             }
         }
+        "leave" => leave(&comm, &mut ck),
         "slow" => {
             // The last rank arrives late (within the deadline) at every call.
             let n = comm.world_size();
