@@ -63,6 +63,14 @@ const SHARED_DIRECT_MAX: usize = 512 * 1024;
 /// was faster direct up to 128 MiB.
 const GATHER_DIRECT_MAX: usize = 8 << 20;
 
+/// Round trips of empty posts that time how near two ranks' cores are.
+const PROBE_ROUNDS: usize = 16;
+
+/// The longest round trip of empty posts between two ranks whose cores
+/// share a cache: 160–250 ns on the project's VM while they did, 530–630
+/// while they did not.
+const NEAR_NS: u64 = 400;
+
 /// The largest chunk of a board call, except board-direct's where the
 /// outputs reach [`GroupMemory::stream_min`] (those fill the slot: fewer
 /// rounds, each two waits on every rank). A chunk is posted and read back
@@ -217,10 +225,11 @@ impl BoardCall<'_> {
         // input block where its own output goes.
         let inp = |at: usize, len: usize| unsafe { slice(input.0.add(at), len) };
         let out = |at: usize, len: usize| unsafe { slice_mut(output.0.add(at), len) };
-        // Outputs beyond the caches: board-direct's chunks fill the slot, a
-        // 2-rank allgather goes through posts, and outputs are written with
-        // streaming stores. Chunks and paths must agree on every rank, so
-        // this goes by the root's output (a reduce's other ranks have none).
+        // Outputs beyond the caches: board-direct's chunks fill the slot, an
+        // allgather goes through posts (at 2 ranks while their cores are
+        // near), and outputs are written with streaming stores. Chunks and
+        // paths must agree on every rank, so this goes by the root's output
+        // (a reduce's other ranks have none).
         let large = streams(mem, self.needs(coll.root, n).1);
         let chunk = match direct && large {
             true => mem.slot_bytes(),
@@ -244,7 +253,15 @@ impl BoardCall<'_> {
                     | CollectiveKind::AllToAll
             );
         let stream = !reads_output && need_out > 0 && large;
-        if self.reads_directly(mem, part, large) {
+        // A 2-rank allgather of large outputs goes through posts only while
+        // the two ranks' cores are near (see `cores_near`).
+        let far = large
+            && n == 2
+            && coll.kind == CollectiveKind::AllGather
+            && mem.direct_min().is_some_and(|min| part >= min)
+            && !mem.ranks_share_cpus()
+            && !self.cores_near(mem, &deadline)?;
+        if self.reads_directly(mem, part, large && !far) {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
         let mut off = 0;
@@ -429,11 +446,13 @@ impl BoardCall<'_> {
     /// buffers: it moves data without reducing it, in blocks of at least
     /// the size from which the memory offers direct reads and at most the
     /// limits above (the same answer on every rank). Not an allgather whose
-    /// outputs are `large` (streamed): there every rank's copies out of the
-    /// posts stream, which the kernel's copies do not, and on a 2-core VM
-    /// 2 ranks' allgather of 64 MiB took 10.2–11.3 ms through posts against
-    /// 11.4–14.6 by direct reads, of 128 MiB 22.6–25.1 against 28.9–30.7
-    /// (4 alternating runs each); all-to-all and scatter lost through posts.
+    /// outputs are `large` (streamed), which the caller passes as not large
+    /// where the probe found the ranks' cores far ([`Self::cores_near`]):
+    /// while they share a cache every rank's copies out of the posts
+    /// stream, which the kernel's copies do not, and on a 2-core VM 2 ranks'
+    /// allgather of a 128 MiB buffer took 15.2–17.7 ms through posts against
+    /// 17.0–24.4 by direct reads (docs/DESIGN.md has the far side);
+    /// all-to-all and scatter lost through posts.
     fn reads_directly(&self, mem: &dyn GroupMemory, part: usize, large: bool) -> bool {
         let kind = self.call.coll.kind;
         let moves = matches!(
@@ -453,6 +472,36 @@ impl BoardCall<'_> {
             _ => usize::MAX,
         };
         moves && part > 0 && part <= max && mem.direct_min().is_some_and(|min| part >= min)
+    }
+
+    /// Whether the cores of a 2-rank call's ranks are near now. Both ranks
+    /// post and read [`PROBE_ROUNDS`] empty rounds, which run in lockstep:
+    /// two rounds take about the time a post takes to reach the other core
+    /// and back. Rank 0 times them in pairs and posts whether the fastest
+    /// pair took less than [`NEAR_NS`] (the fastest, as a rank may be
+    /// interrupted); both ranks return that answer.
+    fn cores_near(&self, mem: &dyn GroupMemory, deadline: &Deadline) -> Result<bool> {
+        let (header, me) = (self.call.header(0, 0), self.call.rank);
+        let other = 1 - me;
+        let exchange = || {
+            let round = Round::begin(mem, header, deadline)?;
+            round.post(&[])?;
+            round.read(other, 0).map(|_| ())
+        };
+        // The first round waits for the other rank to arrive: not timed.
+        exchange()?;
+        let mut fastest = u64::MAX;
+        for _ in 0..PROBE_ROUNDS / 2 {
+            let t = std::time::Instant::now();
+            exchange()?;
+            exchange()?;
+            fastest = fastest.min(t.elapsed().as_nanos() as u64);
+        }
+        let near = u8::from(fastest < NEAR_NS);
+        let round = Round::begin(mem, header, deadline)?;
+        round.post(&[near])?;
+        let theirs = round.read(other, 1)?[0];
+        Ok(if me == 0 { near } else { theirs } == 1)
     }
 
     /// Moves the call's blocks in one round of direct copies: every rank
@@ -781,4 +830,63 @@ unsafe fn slice_mut<'a>(ptr: *mut u8, len: usize) -> &'a mut [u8] {
         return &mut [];
     }
     std::slice::from_raw_parts_mut(ptr, len)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ccl_core::{Call, Collective, CollectiveKind, DataType, Deadline};
+
+    use super::BoardCall;
+    use crate::tests::mem_group;
+
+    /// Where the probe finds two ranks' cores far, a 2-rank allgather of
+    /// large outputs reads directly and streams its own block: every rank
+    /// gets every block.
+    #[test]
+    fn a_far_allgather_reads_directly_with_streamed_outputs() {
+        let part = 3 << 16;
+        let members = mem_group::group(2, 1 << 16, Some(1), 1);
+        let outputs: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let running: Vec<_> = members
+                .iter()
+                .enumerate()
+                .map(|(rank, mem)| {
+                    s.spawn(move || {
+                        let call = Call {
+                            comm: 7,
+                            seq: 1,
+                            rank,
+                            world_size: 2,
+                            coll: Collective::new(CollectiveKind::AllGather, DataType::U8, part),
+                        };
+                        let mut input: Vec<u8> = (0..part).map(|i| (i * 7 + rank) as u8).collect();
+                        let mut output = vec![0u8; 2 * part];
+                        let deadline = Deadline::after(Duration::from_secs(60));
+                        BoardCall {
+                            call: &call,
+                            direct: false,
+                        }
+                        .read_directly(
+                            mem,
+                            (input.as_mut_ptr(), part),
+                            (output.as_mut_ptr(), 2 * part),
+                            true,
+                            &deadline,
+                        )
+                        .unwrap();
+                        output
+                    })
+                })
+                .collect();
+            running.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        let want: Vec<u8> = (0..2)
+            .flat_map(|rank| (0..part).map(move |i| (i * 7 + rank) as u8))
+            .collect();
+        for (rank, out) in outputs.iter().enumerate() {
+            assert!(*out == want, "rank {rank}");
+        }
+    }
 }

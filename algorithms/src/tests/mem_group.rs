@@ -56,7 +56,7 @@ struct Shared {
 unsafe impl Sync for Shared {}
 
 /// One rank's handle on group memory in the heap.
-pub(super) struct MemGroup {
+pub(crate) struct MemGroup {
     shared: Arc<Shared>,
     rank: usize,
     rounds: AtomicU64,
@@ -69,7 +69,7 @@ pub(super) struct MemGroup {
 /// reads of blocks from `direct_min` bytes (ranks share this address
 /// space, so a direct read is a plain copy) and streaming stores for
 /// outputs from `stream_min` bytes: one handle per rank.
-pub(super) fn group(
+pub(crate) fn group(
     n: usize,
     slot_bytes: usize,
     direct_min: Option<usize>,

@@ -4,7 +4,7 @@
 
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
-mod mem_group;
+pub(crate) mod mem_group;
 mod on_group;
 
 use std::{sync::Arc, time::Duration};
