@@ -45,6 +45,9 @@ pub trait GroupMemory: Send + Sync {
     /// field taken as `len`). Readers read only the parts; the rest may be
     /// published by [`GroupMemory::post_reduced`]. May first wait, until
     /// `deadline`, for readers of an earlier round to finish with the memory.
+    /// Every rank posts once in every round it begins (a rank with nothing
+    /// to say posts no bytes): ranks whose next round waits for this one
+    /// may otherwise wait until their deadline.
     fn post(
         &self,
         round: u64,
