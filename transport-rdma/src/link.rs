@@ -16,11 +16,11 @@
 //! pair if it was in the middle of a message. A dropped link says bye to
 //! its peer and waits (at most [`LINGER`]) until its writes have completed;
 //! an `atexit` hook does the same for the pairs of a process that exits
-//! without dropping its communicator (see `proto`'s module docs). Each time a waiting future
-//! polls its pair it takes in the other pairs' completions too: an eager
-//! send is done once posted, so its write can fail while the rank waits on
-//! another peer, and that failure must end the wait (the peer it starved is
-//! waiting too).
+//! without dropping its communicator (see `proto`'s module docs). Each time
+//! a waiting future polls its pair it takes in the other pairs' completions
+//! too: an eager send is done once posted, so its write can fail while the
+//! rank waits on another peer, and that failure must end the wait (the peer
+//! it starved is waiting too).
 
 use std::{
     future::{poll_fn, Future},
