@@ -45,6 +45,8 @@ pub use ccl_rendezvous::{
     config, free_port, Config, FileStore, HashStore, Launcher, PrefixStore, Rendezvous, TcpStore,
     TcpStoreServer, TorchTcpStore,
 };
+#[cfg(feature = "shm")]
+pub use ccl_transport_shm::SharedBuffer;
 pub use communicator::Communicator;
 pub use options::Options;
 pub use transports::Transports;

@@ -18,6 +18,38 @@ use std::{
 
 use crate::{FrameHeader, Result};
 
+/// A region of host memory that its process shares with the other
+/// processes of its host, which map it and copy it with loads and stores
+/// rather than through the kernel: its identity in that process (`id`; 0:
+/// no region) and the address it starts at there.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// The region's identity in its process; 0 for no region.
+    pub id: u64,
+    /// Where the region starts in its process.
+    pub base: u64,
+}
+
+/// A buffer that another rank posted for direct copies: its address in
+/// that rank's process and the shared region holding it, if any.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Remote {
+    /// The buffer's address in its process.
+    pub addr: u64,
+    /// The shared region holding it ([`Region::default`]: none).
+    pub region: Region,
+}
+
+impl Remote {
+    /// `bytes` bytes further on, in the same region.
+    pub fn offset(self, bytes: usize) -> Remote {
+        Remote {
+            addr: self.addr + bytes as u64,
+            ..self
+        }
+    }
+}
+
 /// Memory shared by every rank of one communicator (see the module docs).
 ///
 /// Waits end with an error naming the rank waited for when that rank left
@@ -100,16 +132,24 @@ pub trait GroupMemory: Send + Sync {
     /// instead of two. `None` where some rank cannot; the same on every rank.
     fn direct_min(&self) -> Option<usize>;
 
-    /// Copies `into.len()` bytes at address `addr` of rank `rank`'s memory
-    /// into `into`. The caller makes sure, through posts, that the memory
-    /// stays valid and unchanged until it has read it.
-    fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()>;
+    /// The shared region of this process that holds the `len` bytes at
+    /// `addr`, for the other ranks to map ([`Remote`]); the default region
+    /// (none) where there is none.
+    fn region(&self, addr: u64, len: usize) -> Region;
 
-    /// Copies `from` to address `addr` of rank `rank`'s memory, where
-    /// [`GroupMemory::direct_min`] offers direct reads. The caller makes
-    /// sure, through posts, that rank `rank` posted that memory for this
-    /// rank to write and touches it only once this rank says it is done.
-    fn write_direct(&self, rank: usize, addr: u64, from: &[u8]) -> Result<()>;
+    /// Copies `into.len()` bytes at `from` in rank `rank`'s memory into
+    /// `into`; with `stream`, with stores that bypass the caches where the
+    /// copy is this rank's own (a mapped region's). The caller makes sure,
+    /// through posts, that the memory stays valid and unchanged until it
+    /// has read it.
+    fn read_direct(&self, rank: usize, from: Remote, into: &mut [u8], stream: bool) -> Result<()>;
+
+    /// Copies `from` to `to` in rank `rank`'s memory, where
+    /// [`GroupMemory::direct_min`] offers direct reads (`stream` as for
+    /// [`GroupMemory::read_direct`]). The caller makes sure, through posts,
+    /// that rank `rank` posted that memory for this rank to write and
+    /// touches it only once this rank says it is done.
+    fn write_direct(&self, rank: usize, to: Remote, from: &[u8], stream: bool) -> Result<()>;
 
     /// The smallest output of a call, summed over the ranks, that group
     /// algorithms write with streaming stores, which bypass the caches

@@ -34,7 +34,7 @@ pub use call::{Call, Collective};
 pub use dtype::{DataType, Element};
 pub use error::{Error, ErrorCode, Result};
 pub use frame::{AbortNotice, CollectiveKind, Fingerprint, FrameHeader, FrameKind};
-pub use group::{Deadline, GroupMemory};
+pub use group::{Deadline, GroupMemory, Region, Remote};
 pub use link::{Link, LinkFuture, Reduction};
 pub use memory::{BufMut, BufRef, HostKernels, Kernels, MemoryKind, Scratch, HOST_KERNELS};
 pub use op::ReduceOp;

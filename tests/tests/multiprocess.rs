@@ -144,6 +144,38 @@ fn large_messages_by_reference_and_through_the_ring() {
     }
 }
 
+/// Collectives on `ccl::SharedBuffer`s: every rank maps its peers' buffers
+/// and copies their blocks itself (its debug log says so), and every result
+/// is right, also with only some ranks' buffers shared and on buffers freed
+/// and allocated again. Where the kernel refuses cross-memory attach
+/// (`CCL_SHM_CMA=0`, no direct copies at all), the same results, and no
+/// mapping.
+#[test]
+fn collectives_on_shared_buffers() {
+    for (n, cma) in [(2, "1"), (3, "1"), (2, "0")] {
+        let mut e = env("60s");
+        e.push(("CCL_TRANSPORT", "shm".into()));
+        e.push(("CCL_SHM_CMA", cma.into()));
+        e.push(("CCL_DEBUG", "info,ccl_transport_shm::region=debug".into()));
+        let what = format!("shared buffers, {n} ranks, CCL_SHM_CMA={cma}");
+        let out = launch(WORKER, &["shared"], n, &e, Duration::from_secs(120));
+        assert_all_ok(&out, &what);
+        for o in &out {
+            assert!(
+                o.stdout.contains("shared buffers checked"),
+                "{what}: {}",
+                o.stdout
+            );
+            let mapped = o.stderr.matches("mapped shared buffer").count();
+            match cma {
+                // At least one peer buffer per pass of the worker.
+                "1" => assert!(mapped >= 10, "{what}: rank {} mapped {mapped}", o.rank),
+                _ => assert_eq!(mapped, 0, "{what}: rank {}", o.rank),
+            }
+        }
+    }
+}
+
 #[test]
 fn collectives_with_several_sockets_per_peer() {
     let mut e = env("60s");

@@ -57,7 +57,9 @@
 //! read every peer's memory by cross-memory attach (1) or not (2), which it
 //! learns at set-up by reading each peer's magic word at the peer's `base`.
 //! Where every rank can, [`GroupMemory::direct_min`] offers the group
-//! algorithms single copies out of and into each other's buffers.
+//! algorithms single copies out of and into each other's buffers: through
+//! the kernel, or, for a buffer in a peer's [`crate::SharedBuffer`], with
+//! this rank's own loads and stores in its mapping of that buffer.
 
 use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -67,13 +69,15 @@ use std::{
 };
 
 use ccl_core::{
-    frame::HEADER_LEN, Deadline, Error, FrameHeader, GroupMemory, Result, Spin, SpinWindow, Store,
+    frame::HEADER_LEN, kernels, Deadline, Error, FrameHeader, GroupMemory, Region, Remote, Result,
+    Spin, SpinWindow, Store,
 };
 
 use nix::unistd::Pid;
 
 use crate::{
     cma::{self, Fault},
+    region::{self, PeerRegions},
     segment::Segment,
 };
 
@@ -170,6 +174,8 @@ pub struct Board {
     window: SpinWindow,
     /// Every rank can read every other's memory (see the module docs).
     direct: bool,
+    /// The peers' shared buffers this rank mapped.
+    peer_regions: PeerRegions,
 }
 
 impl std::fmt::Debug for Board {
@@ -448,6 +454,15 @@ impl Board {
     }
 
     /// The error of a direct read or write of rank `r`'s memory that failed.
+    /// `len` bytes at `at` of rank `r`'s memory, in this rank's mapping of
+    /// the peer's shared buffer there, if `at` lies in one.
+    fn window(&self, r: usize, at: Remote, len: usize) -> Option<region::Window> {
+        if at.region.id == 0 || len == 0 {
+            return None;
+        }
+        self.peer_regions.window(r, self.pid(r).as_raw(), at, len)
+    }
+
     fn cma_error(&self, r: usize, fault: Fault) -> Error {
         match fault {
             Fault::Exited => Error::PeerLost {
@@ -788,12 +803,26 @@ impl GroupMemory for Board {
         self.spin.yield_between
     }
 
-    fn read_direct(&self, r: usize, addr: u64, into: &mut [u8]) -> Result<()> {
-        cma::read(self.pid(r), addr, into).map_err(|fault| self.cma_error(r, fault))
+    fn region(&self, addr: u64, len: usize) -> Region {
+        region::region_of(addr, len)
     }
 
-    fn write_direct(&self, r: usize, addr: u64, from: &[u8]) -> Result<()> {
-        cma::write(self.pid(r), addr, from).map_err(|fault| self.cma_error(r, fault))
+    fn read_direct(&self, r: usize, from: Remote, into: &mut [u8], stream: bool) -> Result<()> {
+        if let Some(window) = self.window(r, from, into.len()) {
+            // SAFETY: the peer posted these bytes for this rank to read and
+            // leaves them unchanged until it is done (the caller's posts).
+            return kernels::copy(into, unsafe { window.bytes() }, stream);
+        }
+        cma::read(self.pid(r), from.addr, into).map_err(|fault| self.cma_error(r, fault))
+    }
+
+    fn write_direct(&self, r: usize, to: Remote, from: &[u8], stream: bool) -> Result<()> {
+        if let Some(window) = self.window(r, to, from.len()) {
+            // SAFETY: the peer posted these bytes for this rank to write and
+            // touches them only once it is done (the caller's posts).
+            return kernels::copy(unsafe { window.bytes_mut() }, from, stream);
+        }
+        cma::write(self.pid(r), to.addr, from).map_err(|fault| self.cma_error(r, fault))
     }
 
     fn abort(&self, blame: usize) {
@@ -958,6 +987,7 @@ pub fn connect_board(
         spin,
         window: SpinWindow::new(spin.window),
         direct: false,
+        peer_regions: PeerRegions::default(),
     };
     board.exits = (0..n)
         .map(|p| {
@@ -1055,16 +1085,20 @@ mod tests {
         assert_eq!(one.direct_min(), Some(DIRECT_MIN));
         let theirs: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         let mut got = vec![0u8; theirs.len()];
-        zero.read_direct(1, theirs.as_ptr() as u64, &mut got)
+        let at = |addr: u64| Remote {
+            addr,
+            region: Region::default(),
+        };
+        zero.read_direct(1, at(theirs.as_ptr() as u64), &mut got, false)
             .expect("a direct read");
         assert!(got == theirs);
         let mut written = vec![0u8; theirs.len()];
-        one.write_direct(0, written.as_mut_ptr() as u64, &theirs)
+        one.write_direct(0, at(written.as_mut_ptr() as u64), &theirs, false)
             .expect("a direct write");
         assert!(std::hint::black_box(&written) == &theirs);
         for e in [
-            zero.read_direct(1, 8, &mut got),
-            zero.write_direct(1, 8, &theirs),
+            zero.read_direct(1, at(8), &mut got, false),
+            zero.write_direct(1, at(8), &theirs, true),
         ] {
             match e {
                 Err(Error::Protocol {
@@ -1078,6 +1112,33 @@ mod tests {
                 other => panic!("a read or write at address 8: {other:?}"),
             }
         }
+        // A shared buffer's bytes are copied through the reader's mapping
+        // of it: at an address given relative to a made-up base, which the
+        // kernel could not read, they arrive all the same.
+        let mut shared = crate::SharedBuffer::new(theirs.len()).unwrap();
+        shared.as_bytes_mut().copy_from_slice(&theirs);
+        let start = shared.as_bytes().as_ptr() as u64;
+        let made_up = Remote {
+            addr: 0x1000 + 4096,
+            region: Region {
+                base: 0x1000,
+                ..zero.region(start, 1)
+            },
+        };
+        assert_ne!(made_up.region.id, 0, "the buffer is a region");
+        let mut got = vec![0u8; 8192];
+        for stream in [false, true] {
+            got.fill(0);
+            zero.read_direct(1, made_up, &mut got, stream).unwrap();
+            assert!(got[..] == theirs[4096..4096 + 8192], "stream {stream}");
+        }
+        one.write_direct(0, made_up, &[9; 64], true).unwrap();
+        assert_eq!(shared.as_bytes()[4096..4096 + 64], [9; 64]);
+        assert!(
+            zero.read_direct(1, made_up.offset(theirs.len()), &mut got, false)
+                .is_err(),
+            "past the buffer's end, the kernel is asked and refuses"
+        );
         for cma in [[true, false], [false, true]] {
             let (zero, one) = pair_with(Spin::default(), cma);
             assert_eq!(

@@ -21,6 +21,7 @@ mod board;
 mod cma;
 mod doorbell;
 mod link;
+mod region;
 mod segment;
 
 use std::{
@@ -41,6 +42,7 @@ use nix::unistd::Pid;
 
 pub use board::{board_slot_bytes, connect_board, Board, HEADS, INLINE, SMALL};
 pub use link::REF_MIN;
+pub use region::SharedBuffer;
 
 use doorbell::{Bell, Doorbell};
 use link::{ShmLink, CMA_OK, CONTROL};

@@ -38,7 +38,9 @@
 
 use std::time::Duration;
 
-use ccl_core::{kernels, Call, CollectiveKind, Deadline, Error, GroupMemory, MemoryKind, Result};
+use ccl_core::{
+    kernels, Call, CollectiveKind, Deadline, Error, GroupMemory, MemoryKind, Region, Remote, Result,
+};
 
 use super::Round;
 use crate::IoBuffers;
@@ -254,13 +256,13 @@ impl BoardCall<'_> {
             );
         let stream = !reads_output && need_out > 0 && large;
         // A 2-rank allgather of large outputs goes through posts only while
-        // the two ranks' cores are near (see `cores_near`).
+        // the two ranks' cores are near (see `reads_far_or_shared`).
         let far = large
             && n == 2
             && coll.kind == CollectiveKind::AllGather
             && mem.direct_min().is_some_and(|min| part >= min)
             && !mem.ranks_share_cpus()
-            && !self.cores_near(mem, &deadline)?;
+            && self.reads_far_or_shared(mem, input, &deadline)?;
         if self.reads_directly(mem, part, large && !far) {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
@@ -364,9 +366,10 @@ impl BoardCall<'_> {
                         unsafe {
                             outputs.each(off + plo, phi - plo, |rel, to, l| {
                                 if result.is_ok() {
-                                    result = round
-                                        .read_reduced(p, plo + rel, l)
-                                        .and_then(|theirs| copy(slice_mut(to, l), theirs, stream));
+                                    result =
+                                        round.read_reduced(p, plo + rel, l).and_then(|theirs| {
+                                            kernels::copy(slice_mut(to, l), theirs, stream)
+                                        });
                                 }
                             })
                         };
@@ -387,7 +390,7 @@ impl BoardCall<'_> {
                         scratch.resize(len, 0);
                         let own = Some(inp(at, len));
                         self.reduce_share(&round, me, n, n * len, &mut scratch, own, range)?;
-                        copy(out(off, len), &scratch, true)?;
+                        kernels::copy(out(off, len), &scratch, true)?;
                     } else {
                         let holds =
                             std::ptr::eq(input.0.wrapping_add(at), output.0.wrapping_add(off));
@@ -398,14 +401,16 @@ impl BoardCall<'_> {
                 // This rank's own block comes from its input, not back out of
                 // its post: in place it is where it belongs already, and a
                 // streaming store there would only evict it.
-                CollectiveKind::Broadcast if is_root => copy(out(off, len), inp(off, len), stream)?,
+                CollectiveKind::Broadcast if is_root => {
+                    kernels::copy(out(off, len), inp(off, len), stream)?
+                }
                 CollectiveKind::Broadcast => {
-                    copy(out(off, len), round.read(coll.root, len)?, stream)?
+                    kernels::copy(out(off, len), round.read(coll.root, len)?, stream)?
                 }
                 CollectiveKind::Scatter if is_root => {
-                    copy(out(off, len), inp(me * part + off, len), stream)?
+                    kernels::copy(out(off, len), inp(me * part + off, len), stream)?
                 }
-                CollectiveKind::Scatter => copy(
+                CollectiveKind::Scatter => kernels::copy(
                     out(off, len),
                     &round.read(coll.root, n * len)?[me * len..(me + 1) * len],
                     stream,
@@ -418,7 +423,7 @@ impl BoardCall<'_> {
                             true => inp(off, len),
                             false => round.read(r, len)?,
                         };
-                        copy(out(r * part + off, len), from, stream)?;
+                        kernels::copy(out(r * part + off, len), from, stream)?;
                     }
                 }
                 CollectiveKind::AllToAll => {
@@ -427,7 +432,7 @@ impl BoardCall<'_> {
                             true => inp(me * part + off, len),
                             false => &round.read(r, n * len)?[me * len..(me + 1) * len],
                         };
-                        copy(out(r * part + off, len), from, stream)?;
+                        kernels::copy(out(r * part + off, len), from, stream)?;
                     }
                 }
                 // Non-roots of reduce and gather only post; a barrier only
@@ -447,7 +452,8 @@ impl BoardCall<'_> {
     /// the size from which the memory offers direct reads and at most the
     /// limits above (the same answer on every rank). Not an allgather whose
     /// outputs are `large` (streamed), which the caller passes as not large
-    /// where the probe found the ranks' cores far ([`Self::cores_near`]):
+    /// where the probe found the ranks' cores far or their inputs shared
+    /// ([`Self::reads_far_or_shared`]):
     /// while they share a cache every rank's copies out of the posts
     /// stream, which the kernel's copies do not, and on a 2-core VM 2 ranks'
     /// allgather of a 128 MiB buffer took 15.2–17.7 ms through posts against
@@ -474,34 +480,46 @@ impl BoardCall<'_> {
         moves && part > 0 && part <= max && mem.direct_min().is_some_and(|min| part >= min)
     }
 
-    /// Whether the cores of a 2-rank call's ranks are near now. Both ranks
-    /// post and read [`PROBE_ROUNDS`] empty rounds, which run in lockstep:
-    /// two rounds take about the time a post takes to reach the other core
-    /// and back. Rank 0 times them in pairs and posts whether the fastest
-    /// pair took less than [`NEAR_NS`] (the fastest, as a rank may be
+    /// Whether a 2-rank call reads directly rather than through posts:
+    /// where both ranks' inputs lie in shared buffers, which the other
+    /// rank copies with its own loads and streaming stores (on a 2-core VM,
+    /// an allgather of 128 MiB in 7.4–9.0 ms against 15.2–17.7 through
+    /// posts), or where the ranks' cores are far now. Both ranks post and
+    /// read [`PROBE_ROUNDS`] empty rounds, which run in lockstep: two
+    /// rounds take about the time a post takes to reach the other core and
+    /// back. Rank 0 times them in pairs and posts whether the fastest pair
+    /// took less than [`NEAR_NS`] (the fastest, as a rank may be
     /// interrupted); both ranks return that answer.
-    fn cores_near(&self, mem: &dyn GroupMemory, deadline: &Deadline) -> Result<bool> {
+    fn reads_far_or_shared(
+        &self,
+        mem: &dyn GroupMemory,
+        input: (*mut u8, usize),
+        deadline: &Deadline,
+    ) -> Result<bool> {
         let (header, me) = (self.call.header(0, 0), self.call.rank);
         let other = 1 - me;
-        let exchange = || {
+        let exchange = |say: &[u8]| -> Result<Option<u8>> {
             let round = Round::begin(mem, header, deadline)?;
-            round.post(&[])?;
-            round.read(other, 0).map(|_| ())
+            round.post(say)?;
+            Ok(round.read(other, say.len())?.first().copied())
         };
-        // The first round waits for the other rank to arrive: not timed.
-        exchange()?;
+        // The first round waits for the other rank to arrive (not timed),
+        // and tells whether its input is shared.
+        let shared = u8::from(mem.region(input.0 as u64, input.1).id != 0);
+        let theirs_shared = exchange(&[shared])?;
+        if shared == 1 && theirs_shared == Some(1) {
+            return Ok(true);
+        }
         let mut fastest = u64::MAX;
         for _ in 0..PROBE_ROUNDS / 2 {
             let t = std::time::Instant::now();
-            exchange()?;
-            exchange()?;
+            exchange(&[])?;
+            exchange(&[])?;
             fastest = fastest.min(t.elapsed().as_nanos() as u64);
         }
         let near = u8::from(fastest < NEAR_NS);
-        let round = Round::begin(mem, header, deadline)?;
-        round.post(&[near])?;
-        let theirs = round.read(other, 1)?[0];
-        Ok(if me == 0 { near } else { theirs } == 1)
+        let theirs = exchange(&[near])?;
+        Ok(if me == 0 { Some(near) } else { theirs } == Some(0))
     }
 
     /// Moves the call's blocks in one round of direct copies: every rank
@@ -534,18 +552,28 @@ impl BoardCall<'_> {
             true => self.read_share(part, n, input.0, output.0),
             false => part,
         };
-        let mut mine = [0u8; 40];
+        // Where the input and output lie: address, length, and the shared
+        // region holding them (the peers copy a region's bytes themselves).
+        let (in_region, out_region) = (
+            mem.region(input.0 as u64, input.1),
+            mem.region(output.0 as u64, output.1),
+        );
+        let mut mine = [0u8; 72];
         for (i, word) in [
-            input.0 as usize,
-            input.1,
-            output.0 as usize,
-            output.1,
-            split,
+            input.0 as u64,
+            input.1 as u64,
+            output.0 as u64,
+            output.1 as u64,
+            split as u64,
+            in_region.id,
+            in_region.base,
+            out_region.id,
+            out_region.base,
         ]
         .into_iter()
         .enumerate()
         {
-            mine[8 * i..8 * i + 8].copy_from_slice(&(word as u64).to_le_bytes());
+            mine[8 * i..8 * i + 8].copy_from_slice(&word.to_le_bytes());
         }
         round.post(&mine)?;
         let in_place = std::ptr::eq(input.0, output.0);
@@ -566,7 +594,7 @@ impl BoardCall<'_> {
             _ => None,
         };
         if let Some((to, from)) = own {
-            copy(out(to, part), inp(from, part), stream)?;
+            kernels::copy(out(to, part), inp(from, part), stream)?;
         }
         // The block that goes from rank `src` to rank `dst`: (block of src's
         // input, where it goes in dst's output), if any.
@@ -594,6 +622,13 @@ impl BoardCall<'_> {
             let posted = round.read(r, mine.len())?;
             let word = |i: usize| {
                 u64::from_le_bytes(posted[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+            };
+            let remote = |at: usize| Remote {
+                addr: word(at),
+                region: Region {
+                    id: word(5 + at),
+                    base: word(6 + at),
+                },
             };
             let room = |what: &str, len: u64, end: usize| match end as u64 <= len {
                 true => Ok(()),
@@ -625,12 +660,12 @@ impl BoardCall<'_> {
                     true => out(at, share),
                     false => &mut held[at..at + share],
                 };
-                mem.read_direct(r, word(0) + from as u64, to)?;
+                mem.read_direct(r, remote(0).offset(from), to, stream)?;
             }
             if let Some((block, at)) = moved(me, r).filter(|_| share < part) {
                 room("output", word(3), at + part)?;
                 let from = inp(block * part + share, part - share);
-                mem.write_direct(r, word(2) + (at + share) as u64, from)?;
+                mem.write_direct(r, remote(2).offset(at + share), from, stream)?;
             }
         }
         round.post_reduced(0, 0, &mut |_| Ok(()))?;
@@ -642,7 +677,7 @@ impl BoardCall<'_> {
         }
         if !held.is_empty() {
             for r in (0..n).filter(|&r| r != me) {
-                copy(out(r * part, part), &held[r * part..(r + 1) * part], stream)?;
+                kernels::copy(out(r * part, part), &held[r * part..(r + 1) * part], stream)?;
             }
         }
         Ok(())
@@ -708,7 +743,7 @@ impl BoardCall<'_> {
         match others.next() {
             None => {
                 if let Some(own) = own {
-                    copy(out, own, false)?;
+                    kernels::copy(out, own, false)?;
                 }
             }
             Some(first) => {
@@ -736,12 +771,12 @@ impl BoardCall<'_> {
         if let Some(scratch) = stream {
             scratch.resize(out.len(), 0);
             self.reduce_all(round, n, scratch, None)?;
-            return copy(out, scratch, true);
+            return kernels::copy(out, scratch, true);
         }
         let (coll, len) = (&self.call.coll, out.len());
         let first = round.read(0, len)?;
         if n == 1 {
-            copy(out, first, false)?;
+            kernels::copy(out, first, false)?;
         } else {
             kernels::reduce(coll.op, coll.dtype, out, Some(first), round.read(1, len)?)?;
         }
@@ -791,19 +826,6 @@ impl Pieces<'_> {
             }
         }
     }
-}
-
-/// Copies unless source and destination are the same memory (in place);
-/// with `stream`, with stores that bypass the caches.
-fn copy(to: &mut [u8], from: &[u8], stream: bool) -> Result<()> {
-    if to.as_ptr() == from.as_ptr() {
-        return Ok(());
-    }
-    if stream {
-        return kernels::copy_streaming(to, from);
-    }
-    to.copy_from_slice(from);
-    Ok(())
 }
 
 /// Whether a call whose ranks write `output` bytes each is large: where

@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ccl_core::{Deadline, Error, FrameHeader, GroupMemory, Result};
+use ccl_core::{Deadline, Error, FrameHeader, GroupMemory, Region, Remote, Result};
 
 /// Heads per rank.
 const HEADS: u64 = 3;
@@ -354,8 +354,13 @@ impl GroupMemory for MemGroup {
         false
     }
 
-    fn read_direct(&self, rank: usize, addr: u64, into: &mut [u8]) -> Result<()> {
+    fn region(&self, _addr: u64, _len: usize) -> Region {
+        Region::default()
+    }
+
+    fn read_direct(&self, rank: usize, from: Remote, into: &mut [u8], _stream: bool) -> Result<()> {
         self.offers_direct(rank)?;
+        let addr = from.addr;
         // SAFETY: ranks are threads of this process, and the algorithm
         // posted `addr` as a buffer of at least this length that stays
         // unchanged until this rank tells it is done reading.
@@ -364,8 +369,9 @@ impl GroupMemory for MemGroup {
         Ok(())
     }
 
-    fn write_direct(&self, rank: usize, addr: u64, from: &[u8]) -> Result<()> {
+    fn write_direct(&self, rank: usize, to: Remote, from: &[u8], _stream: bool) -> Result<()> {
         self.offers_direct(rank)?;
+        let addr = to.addr;
         // SAFETY: ranks are threads of this process, and the algorithm
         // posted `addr` as a buffer of at least this length that its owner
         // leaves alone until this rank tells it is done writing.

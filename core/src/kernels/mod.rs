@@ -18,7 +18,7 @@ mod stream;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use stream::copy_streaming;
+pub use stream::{copy, copy_streaming};
 
 /// The binary combining step of an op (`Avg` and `PreMulSum` combine by summing).
 #[derive(Clone, Copy)]

@@ -13,6 +13,26 @@ use std::arch::x86_64::{
 
 use crate::{Error, Result};
 
+/// Copies `src` into `dst` (of the same length) unless they are the same
+/// memory (in place); with `stream`, by [`copy_streaming`].
+pub fn copy(dst: &mut [u8], src: &[u8], stream: bool) -> Result<()> {
+    if dst.as_ptr() == src.as_ptr() && dst.len() == src.len() {
+        return Ok(());
+    }
+    if stream {
+        return copy_streaming(dst, src);
+    }
+    if dst.len() != src.len() {
+        return Err(Error::Internal(format!(
+            "copy of {} bytes into {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
 /// Copies `src` into `dst` (of the same length) with non-temporal stores
 /// where the CPU has them (x86-64), then fences them, so that what follows
 /// (a flag another rank reads) is ordered after the copy; elsewhere a plain

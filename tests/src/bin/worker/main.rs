@@ -11,6 +11,7 @@ use std::{process::exit, time::Instant};
 
 mod calls;
 mod checks;
+mod shared;
 
 use calls::{Calls, OnDevice};
 use ccl::{bf16, f16, Communicator, ReduceOp};
@@ -410,6 +411,7 @@ fn main() {
     };
     match scenario {
         "collectives" => collectives(&comm, &mut ck),
+        "shared" => shared::shared(&comm, &mut ck),
         "p2p" => p2p(&comm, &mut ck),
         "device" => device(&comm, &mut ck),
         "modelled-allreduce" => {
