@@ -288,6 +288,9 @@ pub struct BenchArgs {
     /// The GPU of every rank with --device cuda (several ranks may share one)
     #[arg(long, value_name = "ORDINAL", default_value = "0")]
     pub gpu: u32,
+    /// Host buffers from ccl::SharedBuffer, which the other local ranks map and copy directly
+    #[arg(long)]
+    pub shared_buffers: bool,
 }
 
 /// What compare and compare-mpi measure.
@@ -369,6 +372,9 @@ pub struct PeersArgs {
         default_value = "shm"
     )]
     pub transport: Link,
+    /// ccl's buffers from ccl::SharedBuffer, which the other local ranks map and copy directly (the peers' stay their own)
+    #[arg(long)]
+    pub shared_buffers: bool,
     /// Rounds per size: each runs ccl and every peer once, in an order rotated per round; the median round counts
     #[arg(long, value_name = "N", default_value = "1", value_parser = positive_arg)]
     pub rounds: usize,
@@ -414,6 +420,8 @@ pub struct Plan {
     pub transport: String,
     /// `--device cuda`: the GPU's ordinal; `None`: host memory.
     pub gpu: Option<u32>,
+    /// Host buffers from `ccl::SharedBuffer` (`--shared-buffers`).
+    pub shared_buffers: bool,
     pub timeout: Duration,
     pub ranks: Option<usize>,
     pub bind: Bind,
@@ -561,6 +569,7 @@ pub fn common_plan(coll: Coll, sizes: &SizeArgs, c: &CommonArgs) -> Result<Plan,
         algo_requested: "auto".into(),
         transport: "tcp".into(),
         gpu: None,
+        shared_buffers: false,
         timeout: timeout(c.timeout)?,
         ranks: c.ranks,
         bind: c.placement.bind,
@@ -594,6 +603,15 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
     plan.check = a.check;
     if a.device == "cuda" {
         plan.gpu = Some(a.gpu);
+    }
+    if a.shared_buffers {
+        if plan.gpu.is_some() || coll == Coll::Sendrecv {
+            return Err(
+                "--shared-buffers: host buffers of a collective only (not --device cuda or sendrecv)"
+                    .into(),
+            );
+        }
+        plan.shared_buffers = true;
     }
     Ok(plan)
 }

@@ -444,10 +444,11 @@ fn ratio_list(rows: &[SizeRow], f: &dyn Fn(&SizeRow) -> Option<f64>) -> String {
 
 /// Runs `compare`; returns the exit status.
 pub fn main(a: PeersArgs) -> i32 {
-    let plan = match a.target.plan() {
+    let mut plan = match a.target.plan() {
         Ok(p) => p,
         Err(m) => return usage(&m),
     };
+    plan.shared_buffers = a.shared_buffers;
     let n = match CompareTarget::local_ranks(&plan, "compare") {
         Ok(n) => n,
         Err(m) => return usage(&m),
@@ -513,10 +514,14 @@ pub fn main(a: PeersArgs) -> i32 {
         a.rounds
     );
     let ccl_launch = format!(
-        "ccl-bench {} --ranks {n} --bind {} --transport {} (local processes {placement})",
+        "ccl-bench {} --ranks {n} --bind {} --transport {}{} (local processes {placement})",
         coll.name(),
         plan.bind.name(),
-        link.name()
+        link.name(),
+        match plan.shared_buffers {
+            true => " --shared-buffers",
+            false => "",
+        }
     );
     println!("# ccl {}: {ccl_launch}", env!("CARGO_PKG_VERSION"));
     let congestion = tcp_congestion();

@@ -162,10 +162,58 @@ fn reduction<T: Val>(op: ReduceOp, n: usize, i: usize) -> T {
 /// Where in the output the result lands, and what it must be.
 type Expect<T> = Option<(usize, Vec<T>)>;
 
+/// A buffer of a case: a vector, or ccl's shared memory
+/// (`--shared-buffers`), which the other local ranks copy directly.
+pub enum Host<T> {
+    Vec(Vec<T>),
+    /// `.1` elements at the start of the buffer.
+    Shared(ccl::SharedBuffer, usize),
+}
+
+impl<T: Val> Host<T> {
+    /// `v` itself, or a copy of it in a new shared buffer (an empty `v`
+    /// stays a vector: a shared buffer has at least one byte).
+    fn new(v: Vec<T>, shared: bool) -> ccl::Result<Host<T>> {
+        if !shared || v.is_empty() {
+            return Ok(Host::Vec(v));
+        }
+        let mut buf = ccl::SharedBuffer::new(std::mem::size_of_val(&v[..]))?;
+        buf.as_mut_slice::<T>().copy_from_slice(&v);
+        Ok(Host::Shared(buf, v.len()))
+    }
+
+    /// The vector, taken out (sendrecv hands it to ccl); `None` for a shared buffer.
+    pub fn take_vec(&mut self) -> Option<Vec<T>> {
+        match self {
+            Host::Vec(v) => Some(std::mem::take(v)),
+            Host::Shared(..) => None,
+        }
+    }
+}
+
+impl<T: Val> std::ops::Deref for Host<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Host::Vec(v) => v,
+            Host::Shared(b, len) => &b.as_slice::<T>()[..*len],
+        }
+    }
+}
+
+impl<T: Val> std::ops::DerefMut for Host<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            Host::Vec(v) => v,
+            Host::Shared(b, len) => &mut b.as_mut_slice::<T>()[..*len],
+        }
+    }
+}
+
 /// Everything one rank needs to run (and check) one collective at one size.
 pub struct Case<T> {
-    pub input: Vec<T>,
-    pub output: Vec<T>,
+    pub input: Host<T>,
+    pub output: Host<T>,
     /// With checking: what `output` holds before each iteration.
     pub reset: Option<Vec<T>>,
     /// With checking: where in `output` the result lands, and what it must be.
@@ -183,10 +231,12 @@ pub struct CaseSpec {
     pub root: usize,
     pub inplace: bool,
     pub check: bool,
+    /// Buffers in ccl's shared memory (`--shared-buffers`).
+    pub shared: bool,
 }
 
 impl<T: Val> Case<T> {
-    pub fn new(s: CaseSpec) -> Case<T> {
+    pub fn new(s: CaseSpec) -> ccl::Result<Case<T>> {
         let CaseSpec {
             coll,
             rank,
@@ -196,6 +246,7 @@ impl<T: Val> Case<T> {
             root,
             inplace,
             check,
+            shared,
         } = s;
         let is_root = rank == root;
         let mv = |r: usize, range: std::ops::Range<usize>| -> Vec<T> {
@@ -329,12 +380,12 @@ impl<T: Val> Case<T> {
             }
         }
         let reset = check.then(|| output.clone());
-        Case {
-            input,
-            output,
+        Ok(Case {
+            input: Host::new(input, shared)?,
+            output: Host::new(output, shared)?,
             reset,
             expect,
-        }
+        })
     }
 
     /// With checking: puts `output` back as it was before the first iteration.
@@ -406,14 +457,19 @@ mod tests {
             root: 0,
             inplace: false,
             check: true,
+            shared: false,
         };
-        let mut case = Case::<f32>::new(spec);
-        assert_eq!(case.wrong(), 100, "poison is never the answer");
-        case.output.copy_from_slice(&case.input);
-        assert_eq!(case.wrong(), 0);
-        case.output[7] += 1.0;
-        assert_eq!(case.wrong(), 1);
-        case.prepare();
-        assert_eq!(case.wrong(), 100);
+        for shared in [false, true] {
+            let mut case = Case::<f32>::new(CaseSpec { shared, ..spec }).unwrap();
+            assert_eq!(matches!(case.input, Host::Shared(..)), shared);
+            assert_eq!(case.wrong(), 100, "poison is never the answer");
+            let input = case.input.to_vec();
+            case.output.copy_from_slice(&input);
+            assert_eq!(case.wrong(), 0);
+            case.output[7] += 1.0;
+            assert_eq!(case.wrong(), 1);
+            case.prepare();
+            assert_eq!(case.wrong(), 100);
+        }
     }
 }

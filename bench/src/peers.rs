@@ -377,6 +377,9 @@ pub fn run_ccl(
     if plan.inplace {
         cmd.arg("--inplace");
     }
+    if plan.shared_buffers {
+        cmd.arg("--shared-buffers");
+    }
     let result = run_captured(cmd, limit);
     let text = std::fs::read_to_string(&json);
     let _ = std::fs::remove_file(&json);

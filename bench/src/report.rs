@@ -66,6 +66,9 @@ pub struct RunConfig {
     pub algo_requested: String,
     pub inplace: bool,
     pub check: bool,
+    /// Host buffers from `ccl::SharedBuffer` (`--shared-buffers`).
+    #[serde(default)]
+    pub shared_buffers: bool,
     pub iters: usize,
     pub warmup: usize,
     pub timeout_s: f64,

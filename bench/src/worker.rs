@@ -16,7 +16,7 @@ use crate::{
     args::{self, Plan},
     c2c,
     coll::Coll,
-    data::{Case, CaseSpec, Val},
+    data::{Case, CaseSpec, Host, Val},
     device::{DeviceCase, OnGpu},
     plot::{self, Series},
     report::{self, Report, Row, RunConfig, Versions},
@@ -125,12 +125,18 @@ fn run_once<T: Val>(
         (Coll::Sendrecv, _) => {
             let n = comm.world_size();
             let (next, prev) = ((comm.rank() + 1) % n, (comm.rank() + n - 1) % n);
-            let recv = comm.irecv(std::mem::take(&mut case.output), prev);
-            let send = comm.isend(std::mem::take(&mut case.input), next);
+            let (Some(output), Some(input)) = (case.output.take_vec(), case.input.take_vec())
+            else {
+                return Err(ccl::Error::InvalidArgument(
+                    "sendrecv takes no shared buffers".into(),
+                ));
+            };
+            let recv = comm.irecv(output, prev);
+            let send = comm.isend(input, next);
             let sent = send.wait();
             let received = recv.wait();
-            case.input = sent?;
-            case.output = received?;
+            case.input = Host::Vec(sent?);
+            case.output = Host::Vec(received?);
             Ok(())
         }
         (Coll::Barrier, _) => comm.barrier(),
@@ -486,7 +492,8 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             root: plan.root,
             inplace: plan.inplace,
             check: plan.check,
-        });
+            shared: plan.shared_buffers,
+        })?;
         let dev = match &gpu {
             Some(g) => Some(g.case(&case)?),
             None => None,
@@ -559,6 +566,7 @@ fn run_typed<T: Val>(plan: &Plan, config: &Config, started: SystemTime) -> Resul
             algo_requested: plan.algo_requested.clone(),
             inplace: plan.inplace,
             check: plan.check,
+            shared_buffers: plan.shared_buffers,
             iters: plan.iters,
             warmup: plan.warmup,
             timeout_s: plan.timeout.as_secs_f64(),
