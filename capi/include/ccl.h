@@ -356,6 +356,20 @@ cclResult_t cclMemAlloc(void **ptr, size_t size);
 // must have completed.
 cclResult_t cclMemFree(void *ptr);
 
+// Allocates `size` bytes (at least 1) of zeroed host memory and writes its
+// address to `ptr`. The other ranks of this host map it and copy a
+// collective's blocks out of it (and into it) with their own loads and
+// stores, where other memory is copied by the kernel: allgather,
+// all-to-all, broadcast, gather and scatter over shared memory move large
+// blocks about twice as fast. Peers keep their mapping after
+// `cclHostFree` until their communicator is destroyed or maps many other
+// buffers; the memory returns to the system then. Thread-safe.
+cclResult_t cclHostAlloc(void **ptr, size_t size);
+
+// Frees memory of `cclHostAlloc` (NULL: nothing). The calls that use it
+// must have completed. Thread-safe.
+cclResult_t cclHostFree(void *ptr);
+
 // Writes to `done` whether every call of `work` completed (1) or not (0);
 // returns the first failure among those that did. Thread-safe.
 cclResult_t cclWorkTest(cclWork_t work, int *done);

@@ -23,6 +23,7 @@ mod comm;
 mod device;
 mod errors;
 mod handles;
+mod host;
 mod types;
 mod work;
 
@@ -31,6 +32,7 @@ use std::ffi::c_char;
 pub use calls::*;
 pub use comm::*;
 pub use device::*;
+pub use host::*;
 pub use types::*;
 pub use work::*;
 

@@ -34,6 +34,7 @@ cd "$build"
   cc $cflags "$repo/examples/c/allreduce.c" -o allreduce-static \
     "$prefix/lib/libcclrs.a" $(pkg-config --static --libs-only-l cclrs | sed 's/-lcclrs//') -lm
   cc $cflags "$repo/capi/tests/device.c" -o device $libs
+  cc $cflags "$repo/capi/tests/host_memory.c" -o host_memory $libs
   mpicc $cflags "$repo/examples/c/mpi_unique_id.c" -o mpi_unique_id $libs
   # The header alone compiles as C++ too.
   printf '#include <ccl.h>\nint main() { return cclGetErrorString(cclSuccess) ? 0 : 1; }\n' > cxx.cc
@@ -68,6 +69,14 @@ step "static library, 2 ranks"
 $run -n 2 ./allreduce-static
 step "timing program, 2 ranks, 1 MiB (checks its result)"
 $run -n 2 ./bench 1M 5 1
+
+step "host memory of cclHostAlloc, which the peers map and copy directly"
+for n in 2 3; do
+  CCL_DEBUG=info,ccl_transport_shm::region=debug $run -n "$n" ./host_memory 2>&1 | tee host_memory.out
+  [ "$(grep -c "host memory ok" host_memory.out)" = "$n" ]
+  # Every rank mapped its peers' buffers (3 passes, each with new ones).
+  [ "$(grep -c "mapped shared buffer" host_memory.out)" -ge $((3 * n)) ]
+done
 
 step "device memory (the stand-in GPU): through CUDA IPC, and staged through host memory"
 for n in 2 3; do
