@@ -11,7 +11,10 @@ Arrays are anything that exports DLPack (numpy arrays, torch tensors) or
 the buffer protocol; ccl reads and writes their memory directly, so they
 must be contiguous, and outputs writable. Arrays in GPU memory (CUDA
 tensors, `ccl.DeviceBuffer`) make the call run on the GPU, ordered on
-`stream=` (a CUDA stream handle; the GPU's default stream if omitted). `import ccl.torch` registers the
+`stream=` (a CUDA stream handle; the GPU's default stream if omitted).
+Arrays made of a `ccl.SharedBuffer` (`numpy.from_dlpack(ccl.SharedBuffer(n))`)
+are host memory that the other ranks of the host copy directly, about twice
+as fast for large blocks. `import ccl.torch` registers the
 torch.distributed backend "cclrs"; `ccl.train` has training helpers.
 """
 
@@ -25,6 +28,7 @@ from ._ccl import (
     Error,
     MismatchError,
     PeerLostError,
+    SharedBuffer,
     StoreError,
     TimeoutError,
     UnsupportedError,
@@ -77,6 +81,7 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "ReduceOp",
+    "SharedBuffer",
     "StoreError",
     "TimeoutError",
     "UnsupportedError",

@@ -7,6 +7,7 @@ from ._ccl import (
     Error as Error,
     MismatchError as MismatchError,
     PeerLostError as PeerLostError,
+    SharedBuffer as SharedBuffer,
     StoreError as StoreError,
     TimeoutError as TimeoutError,
     UnsupportedError as UnsupportedError,

@@ -4,11 +4,7 @@
 //! and CuPy arrays on a GPU are taken by every call as they are; this is
 //! for programs that have neither.
 
-use std::{
-    ffi::{c_void, CStr},
-    sync::Arc,
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use ccl::{
     cuda::{Gpu, Stream},
@@ -16,12 +12,11 @@ use ccl::{
 };
 use pyo3::{
     exceptions::{PyTypeError, PyValueError},
-    ffi,
     prelude::*,
 };
 
 use crate::{
-    dlpack::{array, dl_dtype, DlDevice, DlTensor, CUDA},
+    dlpack::{array, lend, CUDA},
     to_py,
 };
 
@@ -38,7 +33,7 @@ pub struct DeviceBuffer {
 }
 
 /// The element type a numpy-style name gives.
-fn dtype_named(name: &str) -> PyResult<DataType> {
+pub(crate) fn dtype_named(name: &str) -> PyResult<DataType> {
     const NAMES: [(&str, DataType); 10] = [
         ("int8", DataType::I8),
         ("uint8", DataType::U8),
@@ -64,7 +59,7 @@ fn dtype_named(name: &str) -> PyResult<DataType> {
         })
 }
 
-fn dtype_name(d: DataType) -> &'static str {
+pub(crate) fn dtype_name(d: DataType) -> &'static str {
     match d {
         DataType::I8 => "int8",
         DataType::U8 => "uint8",
@@ -123,40 +118,6 @@ impl DeviceBuffer {
             )));
         }
         Ok(a)
-    }
-}
-
-/// What a lent buffer's DLPack tensor points to, kept alive with it.
-struct Lent {
-    shape: [i64; 1],
-    _owner: Py<DeviceBuffer>,
-}
-
-/// DLPack's managed tensor (before 1.0): the tensor, its manager, its deleter.
-#[repr(C)]
-struct ManagedTensor {
-    dl_tensor: DlTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut ManagedTensor)>,
-}
-
-const DLTENSOR: &CStr = c"dltensor";
-
-unsafe extern "C" fn delete_managed(m: *mut ManagedTensor) {
-    // SAFETY: made by `__dlpack__` from two boxes, deleted once.
-    let m = Box::from_raw(m);
-    drop(Box::from_raw(m.manager_ctx.cast::<Lent>()));
-}
-
-/// A capsule nobody consumed (still named "dltensor") frees its tensor.
-/// A consumer that took it renamed it ("used_dltensor") and owns the tensor.
-/// `PyCapsule_IsValid` sets no exception, so one in flight is kept.
-unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
-    if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
-        let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<ManagedTensor>();
-        if !m.is_null() {
-            delete_managed(m);
-        }
     }
 }
 
@@ -242,45 +203,19 @@ impl DeviceBuffer {
         dl_device: Option<&Bound<'_, PyAny>>,
         copy: Option<bool>,
     ) -> PyResult<Py<PyAny>> {
-        let _ = (stream, max_version, dl_device);
-        if copy == Some(true) {
-            return Err(PyValueError::new_err(
-                "a DeviceBuffer lends its memory; it does not copy it",
-            ));
-        }
+        let _ = (stream, dl_device);
         let buf = slf.get();
-        let lent = Box::into_raw(Box::new(Lent {
-            shape: [buf.count as i64],
-            _owner: slf.clone().unbind(),
-        }));
-        let managed = Box::new(ManagedTensor {
-            dl_tensor: DlTensor {
-                data: buf.mem.buf().as_ptr().cast_mut().cast(),
-                device: DlDevice {
-                    device_type: CUDA,
-                    device_id: buf.gpu.ordinal() as i32,
-                },
-                ndim: 1,
-                dtype: dl_dtype(buf.dtype),
-                // SAFETY: `lent` lives as long as the managed tensor.
-                shape: unsafe { (*lent).shape.as_ptr() },
-                strides: std::ptr::null(),
-                byte_offset: 0,
-            },
-            manager_ctx: lent.cast(),
-            deleter: Some(delete_managed),
-        });
-        let raw = Box::into_raw(managed);
-        // SAFETY: a capsule over the managed tensor, freed by `drop_capsule`
-        // unless a consumer takes it (and then calls its deleter).
-        unsafe {
-            let capsule = ffi::PyCapsule_New(raw.cast(), DLTENSOR.as_ptr(), Some(drop_capsule));
-            if capsule.is_null() {
-                delete_managed(raw);
-                return Err(PyErr::fetch(slf.py()));
-            }
-            Ok(Py::from_owned_ptr(slf.py(), capsule))
-        }
+        let data = buf.mem.buf().as_ptr().cast_mut().cast();
+        let device = (CUDA, buf.gpu.ordinal() as i32);
+        lend(
+            slf.as_any(),
+            data,
+            device,
+            buf.count,
+            buf.dtype,
+            max_version,
+            copy,
+        )
     }
 
     fn __repr__(&self) -> String {

@@ -55,7 +55,7 @@ struct DlManagedTensorVersioned {
 }
 
 const READ_ONLY: u64 = 1;
-const CPU: i32 = 1;
+pub(crate) const CPU: i32 = 1;
 pub(crate) const CUDA: i32 = 2;
 const CUDA_HOST: i32 = 3;
 
@@ -88,7 +88,7 @@ impl Array {
 }
 
 /// The DLPack dtype of an element type.
-pub(crate) fn dl_dtype(d: DataType) -> DlDataType {
+fn dl_dtype(d: DataType) -> DlDataType {
     use DataType as D;
     let code = match d {
         D::I8 | D::I32 | D::I64 => 0,
@@ -100,6 +100,140 @@ pub(crate) fn dl_dtype(d: DataType) -> DlDataType {
         code,
         bits: (d.size() * 8) as u8,
         lanes: 1,
+    }
+}
+
+/// What a lent buffer's DLPack tensor points to, kept alive with it.
+struct Lent {
+    shape: [i64; 1],
+    _owner: Py<PyAny>,
+}
+
+/// DLPack's managed tensor (before 1.0): the tensor, its manager, its deleter.
+#[repr(C)]
+struct ManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut ManagedTensor)>,
+}
+
+/// DLPack 1.0's managed tensor, as lent: writable (no flags).
+#[repr(C)]
+struct ManagedVersioned {
+    major: u32,
+    minor: u32,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut ManagedVersioned)>,
+    flags: u64,
+    dl_tensor: DlTensor,
+}
+
+const DLTENSOR: &CStr = c"dltensor";
+const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+
+unsafe extern "C" fn delete_managed(m: *mut ManagedTensor) {
+    // SAFETY: made by `lend` from two boxes, deleted once.
+    let m = Box::from_raw(m);
+    drop(Box::from_raw(m.manager_ctx.cast::<Lent>()));
+}
+
+unsafe extern "C" fn delete_versioned(m: *mut ManagedVersioned) {
+    // SAFETY: as above.
+    let m = Box::from_raw(m);
+    drop(Box::from_raw(m.manager_ctx.cast::<Lent>()));
+}
+
+/// A capsule nobody consumed (still named "dltensor" or
+/// "dltensor_versioned") frees its tensor. A consumer that took it renamed
+/// it ("used_dltensor"...) and owns the tensor. `PyCapsule_IsValid` sets
+/// no exception, so one in flight is kept.
+unsafe extern "C" fn drop_capsule(capsule: *mut ffi::PyObject) {
+    if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
+        let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()).cast::<ManagedTensor>();
+        if !m.is_null() {
+            delete_managed(m);
+        }
+    } else if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
+        let m = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr())
+            .cast::<ManagedVersioned>();
+        if !m.is_null() {
+            delete_versioned(m);
+        }
+    }
+}
+
+/// Lends `count` elements of `dtype` at `data` on `device` (DLPack's
+/// device type and id) as a DLPack capsule (a one-dimensional, writable
+/// tensor), which keeps `owner`, the memory's owner, alive for as long as
+/// a consumer holds the tensor: of DLPack 1.0 where the consumer's
+/// `max_version` takes it (numpy makes arrays of older capsules
+/// read-only), else of the layout before. A `copy` asked for is refused.
+pub(crate) fn lend(
+    owner: &Bound<'_, PyAny>,
+    data: *mut c_void,
+    (device_type, device_id): (i32, i32),
+    count: usize,
+    dtype: DataType,
+    max_version: Option<&Bound<'_, PyAny>>,
+    copy: Option<bool>,
+) -> PyResult<Py<PyAny>> {
+    let py = owner.py();
+    if copy == Some(true) {
+        return Err(PyValueError::new_err(format!(
+            "a {} lends its memory; it does not copy it",
+            type_name(owner)
+        )));
+    }
+    let device = DlDevice {
+        device_type,
+        device_id,
+    };
+    let versioned = max_version
+        .and_then(|v| v.extract::<(u32, u32)>().ok())
+        .is_some_and(|(major, _)| major >= 1);
+    let lent = Box::into_raw(Box::new(Lent {
+        shape: [count as i64],
+        _owner: owner.clone().unbind(),
+    }));
+    let dl_tensor = DlTensor {
+        data,
+        device,
+        ndim: 1,
+        dtype: dl_dtype(dtype),
+        // SAFETY: `lent` lives as long as the managed tensor.
+        shape: unsafe { (*lent).shape.as_ptr() },
+        strides: std::ptr::null(),
+        byte_offset: 0,
+    };
+    // SAFETY: a capsule over the managed tensor, freed by `drop_capsule`
+    // unless a consumer takes it (and then calls its deleter).
+    unsafe {
+        let (capsule, undo): (_, Box<dyn FnOnce()>) = if versioned {
+            let raw = Box::into_raw(Box::new(ManagedVersioned {
+                major: 1,
+                minor: 0,
+                manager_ctx: lent.cast(),
+                deleter: Some(delete_versioned),
+                flags: 0,
+                dl_tensor,
+            }));
+            let capsule =
+                ffi::PyCapsule_New(raw.cast(), DLTENSOR_VERSIONED.as_ptr(), Some(drop_capsule));
+            (capsule, Box::new(move || delete_versioned(raw)))
+        } else {
+            let raw = Box::into_raw(Box::new(ManagedTensor {
+                dl_tensor,
+                manager_ctx: lent.cast(),
+                deleter: Some(delete_managed),
+            }));
+            let capsule = ffi::PyCapsule_New(raw.cast(), DLTENSOR.as_ptr(), Some(drop_capsule));
+            (capsule, Box::new(move || delete_managed(raw)))
+        };
+        if capsule.is_null() {
+            undo();
+            return Err(PyErr::fetch(py));
+        }
+        Ok(Py::from_owned_ptr(py, capsule))
     }
 }
 

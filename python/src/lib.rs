@@ -7,6 +7,7 @@ mod comm;
 mod device;
 mod dlpack;
 mod interpreter;
+mod shared;
 mod store;
 mod work;
 
@@ -69,6 +70,7 @@ fn _ccl(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::Communicator>()?;
     m.add_class::<work::Work>()?;
     m.add_class::<device::DeviceBuffer>()?;
+    m.add_class::<shared::SharedBuffer>()?;
     m.add_function(wrap_pyfunction!(interpreter::_at_exit, m)?)?;
     m.add("Error", py.get_type::<Error>())?;
     m.add("TimeoutError", py.get_type::<TimeoutError>())?;

@@ -13,3 +13,17 @@ def test_every_collective_dtype_and_op(ranks, api, n):
     assert_ok(result)
     for r in result:
         assert f"rank {r.rank}: {api}: checked" in r.out and ", 0 wrong" in r.out, r.out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_shared_buffers(ranks, api, n):
+    """Arrays made of ccl.SharedBuffer: right results, and every rank maps
+    its peers' buffers (its debug log says so) rather than copying them
+    through the kernel."""
+    env = {"CCL_TRANSPORT": "shm", "CCL_DEBUG": "info,ccl_transport_shm::region=debug"}
+    result = ranks("shared_worker.py", n, [api], env=env, timeout=120)
+    assert_ok(result)
+    for r in result:
+        assert f"rank {r.rank}: {api}: shared buffers checked, 0 wrong" in r.out, r.out
+        assert "mapped shared buffer" in r.err, r.err[-4000:]
