@@ -152,7 +152,7 @@ fn large_messages_by_reference_and_through_the_ring() {
 /// mapping.
 #[test]
 fn collectives_on_shared_buffers() {
-    for (n, cma) in [(2, "1"), (3, "1"), (2, "0")] {
+    for (n, cma) in [(2, "1"), (3, "1"), (4, "1"), (2, "0")] {
         let mut e = env("60s");
         e.push(("CCL_TRANSPORT", "shm".into()));
         e.push(("CCL_SHM_CMA", cma.into()));

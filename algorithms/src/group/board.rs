@@ -255,15 +255,14 @@ impl BoardCall<'_> {
                     | CollectiveKind::AllToAll
             );
         let stream = !reads_output && need_out > 0 && large;
-        // A 2-rank allgather of large outputs goes through posts only while
-        // the two ranks' cores are near (see `reads_far_or_shared`).
-        let far = large
-            && n == 2
-            && coll.kind == CollectiveKind::AllGather
-            && mem.direct_min().is_some_and(|min| part >= min)
-            && !mem.ranks_share_cpus()
-            && self.reads_far_or_shared(mem, input, &deadline)?;
-        if self.reads_directly(mem, part, large && !far) {
+        // Calls that would read through posts for the size of their blocks
+        // ask first whether the blocks lie in shared buffers (and a 2-rank
+        // allgather whether the cores are far; see `shared_or_far`).
+        let direct_reads = match self.posts_unless_shared(mem, part, large) {
+            Some(probe) => self.shared_or_far(mem, input, probe, &deadline)?,
+            None => self.reads_directly(mem, part, large),
+        };
+        if direct_reads {
             return self.read_directly(mem, input, output, stream, &deadline);
         }
         let mut off = 0;
@@ -451,14 +450,13 @@ impl BoardCall<'_> {
     /// buffers: it moves data without reducing it, in blocks of at least
     /// the size from which the memory offers direct reads and at most the
     /// limits above (the same answer on every rank). Not an allgather whose
-    /// outputs are `large` (streamed), which the caller passes as not large
-    /// where the probe found the ranks' cores far or their inputs shared
-    /// ([`Self::reads_far_or_shared`]):
-    /// while they share a cache every rank's copies out of the posts
-    /// stream, which the kernel's copies do not, and on a 2-core VM 2 ranks'
-    /// allgather of a 128 MiB buffer took 15.2–17.7 ms through posts against
-    /// 17.0–24.4 by direct reads (docs/DESIGN.md has the far side);
-    /// all-to-all and scatter lost through posts.
+    /// outputs are `large` (streamed): while the ranks' cores share a cache
+    /// every rank's copies out of the posts stream, which the kernel's
+    /// copies do not, and on a 2-core VM 2 ranks' allgather of a 128 MiB
+    /// buffer took 15.2–17.7 ms through posts against 17.0–24.4 by direct
+    /// reads (docs/DESIGN.md has the far side); all-to-all and scatter lost
+    /// through posts. Calls that this keeps to posts may still read
+    /// directly ([`Self::posts_unless_shared`]).
     fn reads_directly(&self, mem: &dyn GroupMemory, part: usize, large: bool) -> bool {
         let kind = self.call.coll.kind;
         let moves = matches!(
@@ -480,36 +478,69 @@ impl BoardCall<'_> {
         moves && part > 0 && part <= max && mem.direct_min().is_some_and(|min| part >= min)
     }
 
-    /// Whether a 2-rank call reads directly rather than through posts:
-    /// where both ranks' inputs lie in shared buffers, which the other
-    /// rank copies with its own loads and streaming stores (on a 2-core VM,
-    /// an allgather of 128 MiB in 7.4–9.0 ms against 15.2–17.7 through
-    /// posts), or where the ranks' cores are far now. Both ranks post and
-    /// read [`PROBE_ROUNDS`] empty rounds, which run in lockstep: two
-    /// rounds take about the time a post takes to reach the other core and
-    /// back. Rank 0 times them in pairs and posts whether the fastest pair
-    /// took less than [`NEAR_NS`] (the fastest, as a rank may be
-    /// interrupted); both ranks return that answer.
-    fn reads_far_or_shared(
+    /// Where [`Self::reads_directly`] keeps an allgather or broadcast to
+    /// posts for the size of its blocks (above 2 ranks, or an allgather of
+    /// large outputs), though they may be read directly: `Some(probe)`,
+    /// `probe` telling whether to probe the cores (a 2-rank allgather whose
+    /// ranks have CPUs of their own); the same answer on every rank.
+    fn posts_unless_shared(&self, mem: &dyn GroupMemory, part: usize, large: bool) -> Option<bool> {
+        let (kind, n) = (self.call.coll.kind, self.call.world_size);
+        let could = mem.direct_min().is_some_and(|min| part >= min)
+            && matches!(kind, CollectiveKind::AllGather | CollectiveKind::Broadcast);
+        if !could || self.reads_directly(mem, part, large) {
+            return None;
+        }
+        let probe = n == 2 && kind == CollectiveKind::AllGather && !mem.ranks_share_cpus();
+        Some(probe)
+    }
+
+    /// Whether a call that [`Self::posts_unless_shared`] keeps to posts
+    /// reads directly after all: where every input it reads lies in a
+    /// shared buffer, which the reading ranks copy with their own loads and
+    /// streaming stores, or (`probe`) where the ranks' cores are far now.
+    /// On a 2-core VM through shared buffers: 2 ranks' allgather of 128
+    /// MiB took 10.3 ms against 15.4 through posts; 4 ranks' broadcast of
+    /// 8 MiB 1.1–1.2 ms against 4.7–5.0, allgather of 8 MiB 0.8–1.5 against
+    /// 2.2–2.9, of 128 MiB 22.9–24.6 against 25.5–27.0.
+    ///
+    /// Every rank posts whether its input is shared, and reads the answers
+    /// of the ranks whose inputs the call reads (a broadcast's root; every
+    /// rank of an allgather). The probe: both ranks post and read
+    /// [`PROBE_ROUNDS`] empty rounds, which run in lockstep: two rounds
+    /// take about the time a post takes to reach the other core and back.
+    /// Rank 0 times them in pairs and posts whether the fastest pair took
+    /// less than [`NEAR_NS`] (the fastest, as a rank may be interrupted);
+    /// both ranks go direct where it did not.
+    fn shared_or_far(
         &self,
         mem: &dyn GroupMemory,
         input: (*mut u8, usize),
+        probe: bool,
         deadline: &Deadline,
     ) -> Result<bool> {
-        let (header, me) = (self.call.header(0, 0), self.call.rank);
+        let (header, me, n) = (self.call.header(0, 0), self.call.rank, self.call.world_size);
+        let coll = &self.call.coll;
+        let shared = u8::from(mem.region(input.0 as u64, input.1).id != 0);
+        let round = Round::begin(mem, header, deadline)?;
+        round.post(&[shared])?;
+        let mut all_shared = true;
+        for r in 0..n {
+            let read = coll.kind == CollectiveKind::AllGather || r == coll.root;
+            all_shared &= match (read, r == me) {
+                (false, _) => true,
+                (true, true) => shared == 1,
+                (true, false) => round.read(r, 1)?[0] == 1,
+            };
+        }
+        if all_shared || !probe {
+            return Ok(all_shared);
+        }
         let other = 1 - me;
         let exchange = |say: &[u8]| -> Result<Option<u8>> {
             let round = Round::begin(mem, header, deadline)?;
             round.post(say)?;
             Ok(round.read(other, say.len())?.first().copied())
         };
-        // The first round waits for the other rank to arrive (not timed),
-        // and tells whether its input is shared.
-        let shared = u8::from(mem.region(input.0 as u64, input.1).id != 0);
-        let theirs_shared = exchange(&[shared])?;
-        if shared == 1 && theirs_shared == Some(1) {
-            return Ok(true);
-        }
         let mut fastest = u64::MAX;
         for _ in 0..PROBE_ROUNDS / 2 {
             let t = std::time::Instant::now();
