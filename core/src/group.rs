@@ -41,10 +41,11 @@ pub struct Remote {
 }
 
 impl Remote {
-    /// `bytes` bytes further on, in the same region.
+    /// `bytes` bytes further on, in the same region (wrapping: a peer's
+    /// garbage address fails where it is used, not here).
     pub fn offset(self, bytes: usize) -> Remote {
         Remote {
-            addr: self.addr + bytes as u64,
+            addr: self.addr.wrapping_add(bytes as u64),
             ..self
         }
     }
