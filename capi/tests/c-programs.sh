@@ -72,10 +72,13 @@ $run -n 2 ./bench 1M 5 1
 
 step "host memory of cclHostAlloc, which the peers map and copy directly"
 for n in 2 3; do
-  CCL_DEBUG=info,ccl_transport_shm::region=debug $run -n "$n" ./host_memory 2>&1 | tee host_memory.out
+  CCL_DEBUG=info,ccl_transport_shm::region=debug,ccl_algorithms::group::board=debug \
+    $run -n "$n" ./host_memory 2>&1 | tee host_memory.out
   [ "$(grep -c "host memory ok" host_memory.out)" = "$n" ]
-  # Every rank mapped its peers' buffers (3 passes, each with new ones).
+  # Every rank mapped its peers' buffers (3 passes, each with new ones) and
+  # reduced each pass's allreduce straight out of them.
   [ "$(grep -c "mapped shared buffer" host_memory.out)" -ge $((3 * n)) ]
+  [ "$(grep -c "straight out of shared buffers" host_memory.out)" = $((3 * n)) ]
 done
 
 step "device memory (the stand-in GPU): through CUDA IPC, and staged through host memory"

@@ -1,11 +1,12 @@
 /* Host memory of cclHostAlloc, which the other ranks of the host map and
- * copy directly: allgather, all-to-all and broadcast on it, blocks of 4 MiB
+ * copy (or reduce) directly: allgather, all-to-all, broadcast and allreduce
+ * on it, blocks of 4 MiB
  * (far above the smallest direct copy), checked element by element; the
  * buffers freed and allocated again, and the calls made once more with
  * other values; then misuse: a size of 0, a NULL ptr, freeing memory that
  * is not cclHostAlloc's. Run under ccl-run over shared memory; with
- * CCL_DEBUG=info,ccl_transport_shm::region=debug each rank logs the
- * peers' buffers it mapped. Exits 0 only if every check passed. */
+ * CCL_DEBUG=info,ccl_transport_shm::region=debug,ccl_algorithms::group::board=debug
+ * each rank logs the peers' buffers it mapped and its reductions out of them. Exits 0 only if every check passed. */
 #include <ccl.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -57,6 +58,16 @@ static void pass(cclComm_t comm, int rank, int n, uint32_t salt) {
   ok = 1;
   for (size_t i = 0; i < block && ok; i++) ok = in[i] == value(salt, root, i);
   check(ok, rank, "broadcast in place");
+
+  for (size_t i = 0; i < block; i++) in[i] = value(salt, rank, i);
+  must(cclAllReduce(in, out, block, cclUint32, cclSum, comm, NULL), comm, "allreduce");
+  ok = 1;
+  for (size_t i = 0; i < block && ok; i++) {
+    uint32_t sum = 0;
+    for (int r = 0; r < n; r++) sum += value(salt, r, i);
+    ok = out[i] == sum;
+  }
+  check(ok, rank, "allreduce");
 
   must(cclHostFree(in), comm, "cclHostFree");
   must(cclHostFree(out), comm, "cclHostFree");

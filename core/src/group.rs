@@ -145,6 +145,20 @@ pub trait GroupMemory: Send + Sync {
     /// has read it.
     fn read_direct(&self, rank: usize, from: Remote, into: &mut [u8], stream: bool) -> Result<()>;
 
+    /// Lends the `len` bytes at `from` in rank `rank`'s memory to `read`
+    /// where this rank maps them (they lie in a peer's shared region), so
+    /// that they are reduced where they lie: `Ok(true)` once `read` returned,
+    /// `Ok(false)` without calling it where this rank does not map them (the
+    /// caller copies them with [`GroupMemory::read_direct`]). The caller
+    /// makes sure, as for that, that the memory stays valid and unchanged.
+    fn read_mapped(
+        &self,
+        rank: usize,
+        from: Remote,
+        len: usize,
+        read: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<bool>;
+
     /// Copies `from` to `to` in rank `rank`'s memory, where
     /// [`GroupMemory::direct_min`] offers direct reads (`stream` as for
     /// [`GroupMemory::read_direct`]). The caller makes sure, through posts,

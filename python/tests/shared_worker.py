@@ -1,6 +1,7 @@
 """Collectives on arrays made of ccl.SharedBuffer, through numpy or torch
-(argv[1]): allgather, all-to-all, broadcast and scatter on blocks of 1 Mi
-int64 (8 MiB, copied directly by the peers), checked against numpy."""
+(argv[1]): allgather, all-to-all, broadcast, allreduce and reduce-scatter
+on blocks of 1 Mi int64 (8 MiB, copied or reduced directly by the peers),
+checked against numpy."""
 
 import sys
 
@@ -52,6 +53,17 @@ for salt in (1, 2):
     comm.alltoall(send, out)
     want = np.concatenate([values(r, n * block, salt)[rank * block:(rank + 1) * block] for r in range(n)])
     check("alltoall", out, want)
+
+    send, out = shared(block), shared(block)
+    host(send)[:] = values(rank, block, salt)
+    comm.allreduce(send, out)
+    check("allreduce", out, sum(values(r, block, salt) for r in range(n)))
+
+    send, out = shared(n * block), shared(block)
+    host(send)[:] = values(rank, n * block, salt)
+    comm.reduce_scatter(send, out)
+    want = sum(values(r, n * block, salt) for r in range(n))[rank * block:(rank + 1) * block]
+    check("reduce_scatter", out, want)
 
     root = salt % n
     buf = shared(block)

@@ -21,9 +21,14 @@ def test_shared_buffers(ranks, api, n):
     """Arrays made of ccl.SharedBuffer: right results, and every rank maps
     its peers' buffers (its debug log says so) rather than copying them
     through the kernel."""
-    env = {"CCL_TRANSPORT": "shm", "CCL_DEBUG": "info,ccl_transport_shm::region=debug"}
+    env = {
+        "CCL_TRANSPORT": "shm",
+        "CCL_DEBUG": "info,ccl_transport_shm::region=debug,ccl_algorithms::group::board=debug",
+    }
     result = ranks("shared_worker.py", n, [api], env=env, timeout=120)
     assert_ok(result)
     for r in result:
         assert f"rank {r.rank}: {api}: shared buffers checked, 0 wrong" in r.out, r.out
         assert "mapped shared buffer" in r.err, r.err[-4000:]
+        # Both passes' allreduce and reduce-scatter.
+        assert r.err.count("straight out of shared buffers") == 4, r.err[-4000:]

@@ -816,6 +816,21 @@ impl GroupMemory for Board {
         cma::read(self.pid(r), from.addr, into).map_err(|fault| self.cma_error(r, fault))
     }
 
+    fn read_mapped(
+        &self,
+        r: usize,
+        from: Remote,
+        len: usize,
+        read: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<bool> {
+        let Some(window) = self.window(r, from, len) else {
+            return Ok(false);
+        };
+        // SAFETY: as in `read_direct`.
+        read(unsafe { window.bytes() })?;
+        Ok(true)
+    }
+
     fn write_direct(&self, r: usize, to: Remote, from: &[u8], stream: bool) -> Result<()> {
         if let Some(window) = self.window(r, to, from.len()) {
             // SAFETY: the peer posted these bytes for this rank to write and
@@ -1134,6 +1149,17 @@ mod tests {
         }
         one.write_direct(0, made_up, &[9; 64], true).unwrap();
         assert_eq!(shared.as_bytes()[4096..4096 + 64], [9; 64]);
+        // Lent where they lie, to be reduced there; memory outside a shared
+        // buffer is not lent (the caller copies it).
+        let mut lent = Vec::new();
+        let mapped = zero.read_mapped(1, made_up.offset(64), 128, &mut |b| {
+            lent.extend_from_slice(b);
+            Ok(())
+        });
+        assert!(mapped.unwrap());
+        assert!(lent[..] == theirs[4096 + 64..4096 + 192]);
+        let own = at(theirs.as_ptr() as u64);
+        assert!(!zero.read_mapped(1, own, 128, &mut |_| Ok(())).unwrap());
         assert!(
             zero.read_direct(1, made_up.offset(theirs.len()), &mut got, false)
                 .is_err(),

@@ -38,6 +38,9 @@ struct Shared {
     direct_min: Option<usize>,
     /// What [`GroupMemory::stream_min`] answers.
     stream_min: usize,
+    /// Every buffer counts as lying in a shared region, which
+    /// [`GroupMemory::read_mapped`] lends.
+    mapped: bool,
     /// `heads[rank][round % HEADS]`.
     heads: Vec<Vec<Head>>,
     /// `payloads[rank][round % 2]`.
@@ -68,12 +71,14 @@ pub(crate) struct MemGroup {
 /// Group memory for `n` ranks with `slot_bytes` per slot, offering direct
 /// reads of blocks from `direct_min` bytes (ranks share this address
 /// space, so a direct read is a plain copy) and streaming stores for
-/// outputs from `stream_min` bytes: one handle per rank.
+/// outputs from `stream_min` bytes, and with `mapped`, every buffer in a
+/// shared region (lent where it lies): one handle per rank.
 pub(crate) fn group(
     n: usize,
     slot_bytes: usize,
     direct_min: Option<usize>,
     stream_min: usize,
+    mapped: bool,
 ) -> Vec<MemGroup> {
     let head = || Head {
         header: Mutex::new(None),
@@ -87,6 +92,7 @@ pub(crate) fn group(
         slot_bytes,
         direct_min,
         stream_min,
+        mapped,
         heads: (0..n)
             .map(|_| (0..HEADS).map(|_| head()).collect())
             .collect(),
@@ -355,7 +361,10 @@ impl GroupMemory for MemGroup {
     }
 
     fn region(&self, _addr: u64, _len: usize) -> Region {
-        Region::default()
+        match self.shared.mapped {
+            true => Region { id: 1, base: 0 },
+            false => Region::default(),
+        }
     }
 
     fn read_direct(&self, rank: usize, from: Remote, into: &mut [u8], _stream: bool) -> Result<()> {
@@ -367,6 +376,22 @@ impl GroupMemory for MemGroup {
         let from = unsafe { std::slice::from_raw_parts(addr as usize as *const u8, into.len()) };
         into.copy_from_slice(from);
         Ok(())
+    }
+
+    fn read_mapped(
+        &self,
+        rank: usize,
+        from: Remote,
+        len: usize,
+        read: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<bool> {
+        if !self.shared.mapped {
+            return Ok(false);
+        }
+        self.offers_direct(rank)?;
+        // SAFETY: as in `read_direct`.
+        read(unsafe { std::slice::from_raw_parts(from.addr as usize as *const u8, len) })?;
+        Ok(true)
     }
 
     fn write_direct(&self, rank: usize, to: Remote, from: &[u8], _stream: bool) -> Result<()> {

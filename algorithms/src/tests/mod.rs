@@ -120,9 +120,9 @@ impl RankMemory {
 }
 
 /// Runs one collective on every rank, as a schedule over `links` or, for a
-/// group algorithm, on group memory in the heap with ranks as threads (once
-/// through posts alone, once with direct reads and once writing every
-/// output with streaming stores, which must agree);
+/// group algorithm, on group memory in the heap with ranks as threads
+/// (through posts alone, with direct reads, with every buffer shared, and
+/// writing every output with streaming stores, which must all agree);
 /// returns each rank's output. Schedules are built for the ranks listed by
 /// locality in `order` ([`Algorithm::schedule_in_order`]). A run that has
 /// not finished within a minute is a hang, and panics.
@@ -152,11 +152,11 @@ fn run_on(
     };
     let what = format!("{kind} {algorithm} n={n} count={count} root={root}");
     let limit = Duration::from_secs(60);
-    let on_group = |direct_min: Option<usize>, stream_min: usize| {
+    let on_group = |direct_min: Option<usize>, stream_min: usize, mapped: bool| {
         let mut memory: Vec<RankMemory> = (0..n)
             .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
             .collect();
-        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, stream_min);
+        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, stream_min, mapped);
         let results = std::thread::scope(|s| {
             let running: Vec<_> = members
                 .iter()
@@ -174,14 +174,19 @@ fn run_on(
         outputs(&what, results, &memory)
     };
     if algorithm.on_group_memory() {
-        let posted = on_group(None, usize::MAX);
-        let direct = on_group(Some(1), usize::MAX);
+        let posted = on_group(None, usize::MAX, false);
+        let direct = on_group(Some(1), usize::MAX, false);
         assert!(posted == direct, "{what}: direct reads changed the results");
-        for direct_min in [None, Some(1)] {
-            let streamed = on_group(direct_min, 1);
+        let mapped = on_group(Some(1), usize::MAX, true);
+        assert!(
+            posted == mapped,
+            "{what}: shared buffers changed the results"
+        );
+        for (direct_min, mapped) in [(None, false), (Some(1), false), (Some(1), true)] {
+            let streamed = on_group(direct_min, 1, mapped);
             assert!(
                 posted == streamed,
-                "{what}: streaming stores changed the results (direct reads {direct_min:?})"
+                "{what}: streaming stores changed the results (direct reads {direct_min:?}, shared buffers {mapped})"
             );
         }
         return posted;

@@ -1,12 +1,13 @@
 //! Collectives on [`ccl::SharedBuffer`]s, which the other local ranks map
-//! and copy with their own loads and stores: every moving collective, in
-//! place and out of place, at block sizes from the smallest direct copy to
-//! streamed outputs; with only some ranks' buffers shared; and on buffers
+//! and copy (or reduce) with their own loads and stores: every collective
+//! but the barrier, in place and out of place, at block sizes from the
+//! smallest direct copy to streamed outputs; with only some ranks' buffers
+//! shared; and on buffers
 //! freed and allocated again in between (the same addresses, and
 //! descriptors, holding other data), which must never be read through a
 //! stale mapping.
 
-use ccl::{Communicator, SharedBuffer};
+use ccl::{Communicator, ReduceOp, SharedBuffer};
 
 use crate::checks::Checker;
 
@@ -37,7 +38,12 @@ fn value(salt: u32, r: usize, i: usize) -> u32 {
     salt << 28 | (r as u32) << 24 | (i as u32 & 0xff_ffff)
 }
 
-/// Runs every moving collective on shared buffers, in the passes above.
+/// Element `i` of the sum of every rank's input, in pass `salt`.
+fn summed(salt: u32, n: usize, i: usize) -> u32 {
+    (0..n).fold(0u32, |s, r| s.wrapping_add(value(salt, r, i)))
+}
+
+/// Runs every collective on shared buffers, in the passes above.
 pub(crate) fn shared(comm: &Communicator, ck: &mut Checker) {
     let (n, me) = (comm.world_size(), comm.rank());
     // 16 KiB blocks (the smallest direct copy), odd ones of 1.2 MB, and
@@ -56,8 +62,8 @@ pub(crate) fn shared(comm: &Communicator, ck: &mut Checker) {
     println!("rank {me} of {n}: shared buffers checked");
 }
 
-/// Every moving collective once on blocks of `block` u32, the buffers of
-/// rank `r` shared where `shared(r)`.
+/// Every collective once on blocks of `block` u32, the buffers of rank `r`
+/// shared where `shared(r)`.
 fn calls(
     comm: &Communicator,
     ck: &mut Checker,
@@ -147,6 +153,58 @@ fn calls(
     };
     if ck.ok(&what("gather"), r).is_some() && me == root {
         ck.vec(&what("gather"), out.get(), gathered, n * block);
+    }
+    // allreduce (sum, wrapping) of one block.
+    let mut input = Buf::new(block, mine);
+    for (i, x) in input.get().iter_mut().enumerate() {
+        *x = value(salt, me, i);
+    }
+    let mut out = Buf::new(block, mine);
+    let r = match inplace {
+        true => comm.allreduce(input.get(), ReduceOp::Sum),
+        false => comm.allreduce_into(input.get(), out.get(), ReduceOp::Sum),
+    };
+    let result = match inplace {
+        true => input.get(),
+        false => out.get(),
+    };
+    if ck.ok(&what("allreduce"), r).is_some() {
+        ck.vec(&what("allreduce"), result, |i| summed(salt, n, i), block);
+    }
+    // reduce-scatter: block r of the sum to rank r (in place, at block r).
+    let mut input = Buf::new(n * block, mine);
+    for (i, x) in input.get().iter_mut().enumerate() {
+        *x = value(salt, me, i);
+    }
+    let mut out = Buf::new(block, mine);
+    let r = match inplace {
+        true => comm.reduce_scatter(input.get(), ReduceOp::Sum),
+        false => comm.reduce_scatter_into(input.get(), out.get(), ReduceOp::Sum),
+    };
+    let result = match inplace {
+        true => &mut input.get()[me * block..(me + 1) * block],
+        false => out.get(),
+    };
+    if ck.ok(&what("reduce_scatter"), r).is_some() {
+        let want = |i: usize| summed(salt, n, me * block + i);
+        ck.vec(&what("reduce_scatter"), result, want, block);
+    }
+    // reduce to `root`.
+    let mut input = Buf::new(block, mine);
+    for (i, x) in input.get().iter_mut().enumerate() {
+        *x = value(salt, me, i);
+    }
+    let mut out = Buf::new(block, mine);
+    let r = match inplace {
+        true => comm.reduce(input.get(), ReduceOp::Sum, root),
+        false => comm.reduce_into(input.get(), out.get(), ReduceOp::Sum, root),
+    };
+    let result = match inplace {
+        true => input.get(),
+        false => out.get(),
+    };
+    if ck.ok(&what("reduce"), r).is_some() && me == root {
+        ck.vec(&what("reduce"), result, |i| summed(salt, n, i), block);
     }
     // scatter from `root`: block r of its input to rank r.
     let mut input = Buf::new(n * block, mine);
