@@ -309,6 +309,10 @@ impl Communicator {
                     "a communicator on a store needs rank and world_size",
                 ));
             };
+            // As `from_config` does for the other ways in: CCL_DEBUG's logs
+            // (torch's backend comes this way).
+            let debug = std::env::var("CCL_DEBUG").ok().filter(|s| !s.is_empty());
+            ccl::init_tracing(debug.as_deref());
             let mut options = Options::from_env().map_err(to_py)?;
             if let Some(t) = timeout {
                 options.timeout = t;

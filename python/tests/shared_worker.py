@@ -1,7 +1,8 @@
-"""Collectives on arrays made of ccl.SharedBuffer, through numpy or torch
-(argv[1]): allgather, all-to-all, broadcast, allreduce and reduce-scatter
-on blocks of 1 Mi int64 (8 MiB, copied or reduced directly by the peers),
-checked against numpy."""
+"""Collectives on arrays made of ccl.SharedBuffer, through numpy, torch
+(ccl.Communicator) or torch.distributed with the cclrs backend (argv[1]):
+allgather, all-to-all, broadcast, allreduce and reduce-scatter on blocks of
+1 Mi int64 (8 MiB, copied or reduced directly by the peers), checked
+against numpy."""
 
 import sys
 
@@ -10,8 +11,39 @@ import numpy as np
 import ccl
 
 api = sys.argv[1]
-comm = ccl.Communicator()
-n, rank = comm.world_size, comm.rank
+if api == "torchdist":
+    import torch
+    import torch.distributed as dist
+
+    import ccl.torch  # noqa: F401
+
+    dist.init_process_group("cclrs")
+    n, rank = dist.get_world_size(), dist.get_rank()
+
+    class Calls:
+        """The calls below, through torch.distributed."""
+
+        def allgather(self, mine, out):
+            dist.all_gather_into_tensor(out, mine)
+
+        def alltoall(self, send, out):
+            dist.all_to_all_single(out, send)
+
+        def allreduce(self, send, out):
+            # In place, as torch has it.
+            dist.all_reduce(send)
+            out.copy_(send)
+
+        def reduce_scatter(self, send, out):
+            dist.reduce_scatter_tensor(out, send)
+
+        def broadcast(self, buf, root):
+            dist.broadcast(buf, root)
+
+    comm = Calls()
+else:
+    comm = ccl.Communicator()
+    n, rank = comm.world_size, comm.rank
 block = 1 << 20
 wrong = 0
 
@@ -19,7 +51,7 @@ wrong = 0
 def shared(count):
     """An array of `count` int64 in a new shared buffer."""
     buf = ccl.SharedBuffer(count, "int64")
-    if api == "torch":
+    if api in ("torch", "torchdist"):
         import torch
 
         return torch.from_dlpack(buf)
@@ -27,7 +59,7 @@ def shared(count):
 
 
 def host(a):
-    return a.numpy() if api == "torch" else a
+    return a.numpy() if api in ("torch", "torchdist") else a
 
 
 def check(name, got, want):

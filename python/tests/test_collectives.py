@@ -16,11 +16,12 @@ def test_every_collective_dtype_and_op(ranks, api, n):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("api", ["numpy", "torch"])
+@pytest.mark.parametrize("api", ["numpy", "torch", "torchdist"])
 def test_shared_buffers(ranks, api, n):
     """Arrays made of ccl.SharedBuffer: right results, and every rank maps
     its peers' buffers (its debug log says so) rather than copying them
-    through the kernel."""
+    through the kernel; through torch.distributed's cclrs backend too, whose
+    communicator (on torch's store) must honour CCL_DEBUG as well."""
     env = {
         "CCL_TRANSPORT": "shm",
         "CCL_DEBUG": "info,ccl_transport_shm::region=debug,ccl_algorithms::group::board=debug",
