@@ -158,7 +158,7 @@ fn collectives_on_shared_buffers() {
         e.push(("CCL_SHM_CMA", cma.into()));
         e.push((
             "CCL_DEBUG",
-            "info,ccl_transport_shm::region=debug,ccl_algorithms::group::board=debug".into(),
+            "info,ccl_transport_shm::region=debug,ccl_transport_shm::link=debug,ccl_algorithms::group::board=debug".into(),
         ));
         let what = format!("shared buffers, {n} ranks, CCL_SHM_CMA={cma}");
         let out = launch(WORKER, &["shared"], n, &e, Duration::from_secs(120));
@@ -171,15 +171,18 @@ fn collectives_on_shared_buffers() {
             );
             let mapped = o.stderr.matches("mapped shared buffer").count();
             let reduced = o.stderr.matches("straight out of shared buffers").count();
+            let received = o.stderr.matches("through the mapping of rank").count();
             match cma {
-                // At least one peer buffer per pass of the worker, and the
+                // At least one peer buffer per pass of the worker; the
                 // three reductions of blocks larger than a board chunk in
-                // the 7 passes where every buffer is shared.
+                // the 7 passes where every buffer is shared; and there, the
+                // receive of each block sent by reference.
                 "1" => {
                     assert!(mapped >= 10, "{what}: rank {} mapped {mapped}", o.rank);
                     assert_eq!(reduced, 21, "{what}: rank {}", o.rank);
+                    assert!(received >= 7, "{what}: rank {} received {received}", o.rank);
                 }
-                _ => assert_eq!(mapped + reduced, 0, "{what}: rank {}", o.rank),
+                _ => assert_eq!(mapped + reduced + received, 0, "{what}: rank {}", o.rank),
             }
         }
     }

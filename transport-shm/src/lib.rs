@@ -3,7 +3,8 @@
 //! Each pair of ranks shares one segment in `/dev/shm` holding a ring per
 //! direction ([`link`] describes the layout and protocol). Small messages are
 //! copied through the ring; large ones are read straight out of the sender's
-//! memory with `process_vm_readv` (cross-memory attach), so they are copied
+//! memory with `process_vm_readv` (cross-memory attach), or through the
+//! receiver's mapping where they lie in a [`SharedBuffer`], so they are copied
 //! once, and a receive-and-reduce reduces them as they arrive. Waiting ranks
 //! poll briefly, then sleep on a doorbell socket until a peer wakes them.
 //!

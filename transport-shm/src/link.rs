@@ -24,7 +24,12 @@
 //! message may be larger than the ring). Otherwise the payload stays in the
 //! sender's memory at that address: the receiver reads it with
 //! `process_vm_readv` straight into its destination (one copy instead of
-//! two), bumps `acks`, and only then does the sender's send complete.
+//! two), bumps `acks`, and only then does the sender's send complete. Where
+//! the payload lies in a [`crate::SharedBuffer`], the address has its top bit
+//! ([`IN_REGION`]) set and 16 inline bytes follow (the region's id and
+//! base): the receiver copies (or reduces) the payload through its own
+//! mapping of that buffer instead, with its loads, falling back to
+//! `process_vm_readv` where the mapping fails.
 
 use std::{
     future::{poll_fn, Future},
@@ -40,8 +45,8 @@ use std::{
 
 use ccl_core::{
     frame::{HEADER_LEN, MAX_ABORT_REASON},
-    AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link, LinkFuture,
-    Reduction, Repoll, Result, Spin, SpinWindow,
+    kernels, AbortNotice, AlignedBuf, BufMut, BufRef, Error, FrameHeader, FrameKind, Link,
+    LinkFuture, Reduction, Region, Remote, Repoll, Result, Spin, SpinWindow,
 };
 use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
@@ -49,6 +54,7 @@ use tokio::io::unix::AsyncFd;
 use crate::{
     cma::{self, Fault},
     doorbell::{Bell, Doorbell},
+    region::{self, PeerRegions},
     segment::Segment,
 };
 
@@ -67,6 +73,9 @@ const CLOSED: usize = 256;
 pub(crate) const CMA_OK: usize = 320;
 /// Frame blocks, and the alignment of every head and tail position.
 const BLOCK: usize = 64;
+/// Set in a by-reference frame's address where the payload lies in a shared
+/// region, whose id and base follow inline (no user address has it set).
+const IN_REGION: u64 = 1 << 63;
 /// Payloads of at least this many bytes go by reference when the reader can read them.
 pub const REF_MIN: usize = 64 * 1024;
 /// By-reference payloads are reduced in pieces of this many bytes.
@@ -121,6 +130,8 @@ pub(crate) struct ShmLink {
     peer_exit: Option<AsyncFd<OwnedFd>>,
     /// Where by-reference payloads land before they are reduced.
     scratch: Mutex<AlignedBuf>,
+    /// The peer's shared buffers that this side mapped.
+    peer_regions: PeerRegions,
     /// By-reference frames sent so far.
     refs_sent: AtomicU64,
     /// Set while a send writes a frame (and left set if it was dropped mid-frame).
@@ -186,6 +197,7 @@ impl ShmLink {
             peer_exit: pidfd(peer_pid),
             peer_pid,
             scratch: Mutex::new(AlignedBuf::zeroed(0)),
+            peer_regions: PeerRegions::default(),
             refs_sent: AtomicU64::new(0),
             mid_frame: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
@@ -380,8 +392,20 @@ impl ShmLink {
         block[8..].copy_from_slice(&header.encode());
         self.mid_frame.store(true, Ordering::Release);
         if by_ref {
-            block[..8].copy_from_slice(&(data.as_ptr() as u64).to_le_bytes());
-            self.write_frame(&block, &[]).await?;
+            let addr = data.as_ptr() as u64;
+            let region = region::region_of(addr, data.len());
+            let mut words = [0u8; 16];
+            let inline = match region.id {
+                0 => &words[..0],
+                _ => {
+                    words[..8].copy_from_slice(&region.id.to_le_bytes());
+                    words[8..].copy_from_slice(&region.base.to_le_bytes());
+                    &words[..]
+                }
+            };
+            let flag = if inline.is_empty() { 0 } else { IN_REGION };
+            block[..8].copy_from_slice(&(addr | flag).to_le_bytes());
+            self.write_frame(&block, inline).await?;
             let ticket = self.refs_sent.fetch_add(1, Ordering::Relaxed) + 1;
             let acks = self.word(self.me, ACKS);
             self.wait(|| acks.load(Ordering::Acquire) >= ticket).await?;
@@ -486,9 +510,54 @@ impl ShmLink {
             }
             return Ok(());
         }
-        let read = match sink {
-            Sink::Copy(into) => self.read_remote(addr, into),
-            Sink::Reduce(into, r) => {
+        let mut region = Region::default();
+        if addr & IN_REGION != 0 {
+            let mut words = [0u8; 16];
+            self.read_inline(pos, words.len(), |off, p| {
+                words[off..off + p.len()].copy_from_slice(p);
+                Ok(())
+            })
+            .await?;
+            let word =
+                |i: usize| u64::from_le_bytes(words[8 * i..8 * i + 8].try_into().expect("8"));
+            region = Region {
+                id: word(0),
+                base: word(1),
+            };
+        }
+        let at = Remote {
+            addr: addr & !IN_REGION,
+            region,
+        };
+        let len = match &sink {
+            Sink::Copy(into) | Sink::Reduce(into, _) => into.len(),
+        };
+        let window = match region.id {
+            0 => None,
+            _ => self
+                .peer_regions
+                .window(self.peer, self.peer_pid.as_raw(), at, len),
+        };
+        let addr = at.addr;
+        if window.is_some() {
+            tracing::debug!(
+                "receiving {len} bytes through the mapping of rank {}'s shared buffer",
+                self.peer
+            );
+        }
+        let read = match (sink, window) {
+            (Sink::Copy(into), Some(window)) => {
+                // SAFETY: the sender leaves these bytes unchanged until its
+                // send completes, which waits for this receiver's ack.
+                kernels::copy(into, unsafe { window.bytes() }, false)
+            }
+            (Sink::Reduce(into, r), Some(window)) => {
+                // SAFETY: as above.
+                let theirs = unsafe { window.bytes() };
+                r.apply(BufMut::from_host(into), 0, BufRef::from_host(theirs))
+            }
+            (Sink::Copy(into), None) => self.read_remote(addr, into),
+            (Sink::Reduce(into, r), None) => {
                 let mut scratch = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
                 scratch.reserve_len(REDUCE_PIECE.min(into.len()));
                 let mut off = 0;

@@ -222,7 +222,8 @@ pub(crate) fn region_of(addr: u64, len: usize) -> Region {
 /// Logs the first refusal to map a peer's region in this process.
 static MAP_REFUSED: AtomicBool = AtomicBool::new(false);
 
-/// The regions of other ranks that one board mapped, by rank and region id.
+/// The regions of other ranks that one board (or link) mapped, by rank and
+/// region id.
 #[derive(Default)]
 pub(crate) struct PeerRegions {
     mapped: Mutex<Mapped>,

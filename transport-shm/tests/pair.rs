@@ -1,7 +1,11 @@
 //! Two ranks as threads of one process, each with its own runtime, joined by
 //! a shared-memory link (cross-memory attach works on one's own process too).
 
-use std::{sync::Arc, thread, time::Duration};
+use std::{
+    sync::{Arc, Mutex},
+    thread,
+    time::Duration,
+};
 
 use tokio::runtime::Runtime;
 
@@ -10,7 +14,7 @@ use ccl_core::{
     ReduceOp, Reduction, Setup, Spin, Store, Transport, HOST_KERNELS,
 };
 use ccl_rendezvous::HashStore;
-use ccl_transport_shm::{ShmOptions, ShmTransport, REF_MIN};
+use ccl_transport_shm::{SharedBuffer, ShmOptions, ShmTransport, REF_MIN};
 
 fn header(step: u32, len: usize) -> FrameHeader {
     let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::U8, len);
@@ -155,6 +159,76 @@ fn recv_reduce_adds_inline_and_by_reference() {
             }
         });
     }
+}
+
+/// A log kept in memory.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Log {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A payload in a shared buffer reaches the receiver through its mapping of
+/// that buffer (its debug log says it mapped it), copied and reduced alike.
+#[test]
+fn shared_buffers_go_through_the_receivers_mapping() {
+    let log = Log::default();
+    let sink = log.clone();
+    // The only test here that installs a subscriber (one per process).
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_writer(move || sink.clone())
+        .init();
+    let len = 1 << 20;
+    pair(opts(1 << 20, 20), move |rank, link, rt| {
+        let n = len / 4;
+        let mut mine = SharedBuffer::new(len).unwrap();
+        for (i, x) in mine.as_mut_slice::<f32>().iter_mut().enumerate() {
+            *x = (i + rank) as f32;
+        }
+        let h = |step| {
+            let fp = Fingerprint::new(CollectiveKind::AllReduce, DataType::F32, n);
+            FrameHeader::data(9, 1, step, len, fp)
+        };
+        let (mut got, mut acc) = (vec![0u8; len], vec![0u8; len]);
+        block_on(rt, async {
+            let (s, r) = futures_join(
+                link.send(h(0), BufRef::from_host(mine.as_bytes())),
+                link.recv(h(0), BufMut::from_host(&mut got)),
+            )
+            .await;
+            s.unwrap();
+            r.unwrap();
+            let red = Reduction {
+                op: ReduceOp::Sum,
+                dtype: DataType::F32,
+                local: Some(BufRef::from_host(mine.as_bytes())),
+                kernels: &HOST_KERNELS,
+            };
+            let (s, r) = futures_join(
+                link.send(h(1), BufRef::from_host(mine.as_bytes())),
+                link.recv_reduce(h(1), BufMut::from_host(&mut acc), red),
+            )
+            .await;
+            s.unwrap();
+            r.unwrap();
+        });
+        for i in 0..n {
+            let at = |b: &[u8]| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+            assert_eq!(at(&got), (i + 1 - rank) as f32, "element {i}");
+            assert_eq!(at(&acc), (2 * i + 1) as f32, "element {i}");
+        }
+    });
+    let text = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    assert_eq!(text.matches("mapped shared buffer").count(), 2, "{text}");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Collectives on [`ccl::SharedBuffer`]s, which the other local ranks map
 //! and copy (or reduce) with their own loads and stores: every collective
-//! but the barrier, in place and out of place, at block sizes from the
+//! but the barrier, in place and out of place, and send/recv, at block sizes from the
 //! smallest direct copy to streamed outputs; with only some ranks' buffers
 //! shared; and on buffers
 //! freed and allocated again in between (the same addresses, and
@@ -205,6 +205,30 @@ fn calls(
     };
     if ck.ok(&what("reduce"), r).is_some() && me == root {
         ck.vec(&what("reduce"), result, |i| summed(salt, n, i), block);
+    }
+    // send and receive around the ring: even ranks send first, odd ranks
+    // receive first (a send by reference waits for its receiver).
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let mut input = Buf::new(block, mine);
+    for (i, x) in input.get().iter_mut().enumerate() {
+        *x = value(salt, me, i);
+    }
+    let mut out = Buf::new(block, mine);
+    let r = match me % 2 {
+        0 => comm
+            .send(input.get(), next)
+            .and_then(|()| comm.recv(out.get(), prev)),
+        _ => comm
+            .recv(out.get(), prev)
+            .and_then(|()| comm.send(input.get(), next)),
+    };
+    if ck.ok(&what("send/recv"), r).is_some() {
+        ck.vec(
+            &what("send/recv"),
+            out.get(),
+            |i| value(salt, prev, i),
+            block,
+        );
     }
     // scatter from `root`: block r of its input to rank r.
     let mut input = Buf::new(n * block, mine);
