@@ -368,6 +368,30 @@ impl Communicator {
         )
     }
 
+    /// Sends `send` to rank `dst` while receiving into `recv` from rank
+    /// `src`, both at once (MPI's `Sendrecv`): ranks that all send before
+    /// they receive, as in a shift around a ring, do not wait on each other.
+    pub fn sendrecv<T: Element>(
+        &self,
+        send: &[T],
+        dst: usize,
+        recv: &mut [T],
+        src: usize,
+    ) -> Result<()> {
+        let data = BufRef::from_host(bytemuck::cast_slice(send));
+        let into = BufMut::from_host(bytemuck::cast_slice_mut(recv));
+        // SAFETY: both are waited for, whatever the outcome, before the
+        // borrows end.
+        let (received, sent) = unsafe {
+            (
+                self.launch_recv(T::DTYPE, src, into),
+                self.launch_send(T::DTYPE, dst, data),
+            )
+        };
+        let (r, s) = (received.wait(), sent.wait());
+        r.and(s)
+    }
+
     /// Asynchronous send; the `Work` hands the buffer back.
     pub fn isend<T: Element>(&self, mut buf: Vec<T>, dst: usize) -> Work<Vec<T>> {
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);

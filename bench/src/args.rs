@@ -605,11 +605,8 @@ pub fn plan(coll: Coll, a: &BenchArgs) -> Result<Plan, String> {
         plan.gpu = Some(a.gpu);
     }
     if a.shared_buffers {
-        if plan.gpu.is_some() || coll == Coll::Sendrecv {
-            return Err(
-                "--shared-buffers: host buffers of a collective only (not --device cuda or sendrecv)"
-                    .into(),
-            );
+        if plan.gpu.is_some() {
+            return Err("--shared-buffers: host buffers only (not --device cuda)".into());
         }
         plan.shared_buffers = true;
     }

@@ -181,14 +181,6 @@ impl<T: Val> Host<T> {
         buf.as_mut_slice::<T>().copy_from_slice(&v);
         Ok(Host::Shared(buf, v.len()))
     }
-
-    /// The vector, taken out (sendrecv hands it to ccl); `None` for a shared buffer.
-    pub fn take_vec(&mut self) -> Option<Vec<T>> {
-        match self {
-            Host::Vec(v) => Some(std::mem::take(v)),
-            Host::Shared(..) => None,
-        }
-    }
 }
 
 impl<T: Val> std::ops::Deref for Host<T> {

@@ -16,7 +16,7 @@ use crate::{
     args::{self, Plan},
     c2c,
     coll::Coll,
-    data::{Case, CaseSpec, Host, Val},
+    data::{Case, CaseSpec, Val},
     device::{DeviceCase, OnGpu},
     plot::{self, Series},
     report::{self, Report, Row, RunConfig, Versions},
@@ -125,19 +125,7 @@ fn run_once<T: Val>(
         (Coll::Sendrecv, _) => {
             let n = comm.world_size();
             let (next, prev) = ((comm.rank() + 1) % n, (comm.rank() + n - 1) % n);
-            let (Some(output), Some(input)) = (case.output.take_vec(), case.input.take_vec())
-            else {
-                return Err(ccl::Error::InvalidArgument(
-                    "sendrecv takes no shared buffers".into(),
-                ));
-            };
-            let recv = comm.irecv(output, prev);
-            let send = comm.isend(input, next);
-            let sent = send.wait();
-            let received = recv.wait();
-            case.input = Host::Vec(sent?);
-            case.output = Host::Vec(received?);
-            Ok(())
+            comm.sendrecv(i, next, o, prev)
         }
         (Coll::Barrier, _) => comm.barrier(),
     }

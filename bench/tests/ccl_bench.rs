@@ -325,6 +325,60 @@ fn large_board_calls_with_streaming_stores_check_clean() {
     }
 }
 
+/// `--shared-buffers`: every collective and sendrecv on buffers the peers
+/// map, 2 and 3 ranks, in place and out of place, from the smallest
+/// by-reference message to reductions of several board chunks, checked.
+#[test]
+fn shared_buffers_check_clean() {
+    for coll in COLLECTIVES.into_iter().filter(|&c| c != "barrier") {
+        for ranks in ["2", "3"] {
+            for inplace in [false, true] {
+                if inplace && coll == "sendrecv" {
+                    continue;
+                }
+                let (mark, _) = scratch("shared");
+                let mut args = vec![
+                    coll,
+                    "-b",
+                    "64KB",
+                    "-e",
+                    "4MB",
+                    "-f",
+                    "8",
+                    "--ranks",
+                    ranks,
+                    "--transport",
+                    "shm",
+                    "--root",
+                    "1",
+                    "--shared-buffers",
+                    "--check",
+                    "--iters",
+                    "2",
+                    "--warmup",
+                    "1",
+                ];
+                if inplace {
+                    args.push("--inplace");
+                }
+                let out = run(&mark, &args);
+                let stdout = text(&out.stdout);
+                let what = format!("{coll} ranks {ranks} in place {inplace}");
+                assert!(
+                    out.status.success(),
+                    "{what}: {stdout}\n{}",
+                    text(&out.stderr)
+                );
+                assert!(
+                    stdout.contains("# Out of bounds values : 0 OK"),
+                    "{what}: {stdout}"
+                );
+                assert_no_strays(&mark);
+            }
+        }
+    }
+}
+
 #[test]
 fn in_place_forms_check_clean() {
     for coll in [

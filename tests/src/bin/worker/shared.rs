@@ -206,22 +206,14 @@ fn calls(
     if ck.ok(&what("reduce"), r).is_some() && me == root {
         ck.vec(&what("reduce"), result, |i| summed(salt, n, i), block);
     }
-    // send and receive around the ring: even ranks send first, odd ranks
-    // receive first (a send by reference waits for its receiver).
+    // A shift around the ring (send and receive at once).
     let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
     let mut input = Buf::new(block, mine);
     for (i, x) in input.get().iter_mut().enumerate() {
         *x = value(salt, me, i);
     }
     let mut out = Buf::new(block, mine);
-    let r = match me % 2 {
-        0 => comm
-            .send(input.get(), next)
-            .and_then(|()| comm.recv(out.get(), prev)),
-        _ => comm
-            .recv(out.get(), prev)
-            .and_then(|()| comm.send(input.get(), next)),
-    };
+    let r = comm.sendrecv(input.get(), next, out.get(), prev);
     if ck.ok(&what("send/recv"), r).is_some() {
         ck.vec(
             &what("send/recv"),
