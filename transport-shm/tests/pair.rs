@@ -104,19 +104,34 @@ fn messages_of_every_size_arrive_intact() {
     for spin in [0, 50] {
         pair(opts(2 * 64 * 1024 + 4096, spin), move |rank, link, rt| {
             for (step, &len) in sizes.iter().enumerate() {
-                let h = header(step as u32, len);
-                let out = pattern(len, rank as u8);
-                let mut got = vec![0u8; len];
-                block_on(rt, async {
-                    let (s, r) = futures_join(
-                        link.send(h, BufRef::from_host(&out)),
-                        link.recv(h, BufMut::from_host(&mut got)),
-                    )
-                    .await;
-                    s.unwrap();
-                    r.unwrap();
-                });
-                assert_eq!(got, pattern(len, 1 - rank as u8), "{len} bytes");
+                // From a vector (through the ring) and, from REF_MIN, from
+                // a shared buffer (by reference).
+                for shared in [false, true] {
+                    let h = header(2 * step as u32 + u32::from(shared), len);
+                    let mut buf = SharedBuffer::new(len.max(1)).unwrap();
+                    let out = match shared {
+                        true => {
+                            buf.as_bytes_mut()[..len].copy_from_slice(&pattern(len, rank as u8));
+                            &buf.as_bytes()[..len]
+                        }
+                        false => &pattern(len, rank as u8)[..],
+                    };
+                    let mut got = vec![0u8; len];
+                    block_on(rt, async {
+                        let (s, r) = futures_join(
+                            link.send(h, BufRef::from_host(out)),
+                            link.recv(h, BufMut::from_host(&mut got)),
+                        )
+                        .await;
+                        s.unwrap();
+                        r.unwrap();
+                    });
+                    assert_eq!(
+                        got,
+                        pattern(len, 1 - rank as u8),
+                        "{len} bytes, shared {shared}"
+                    );
+                }
             }
         });
     }
@@ -124,12 +139,22 @@ fn messages_of_every_size_arrive_intact() {
 
 #[test]
 fn recv_reduce_adds_inline_and_by_reference() {
-    for len in [16usize, 4096, REF_MIN, 1 << 20] {
+    for (len, shared) in [
+        (16usize, false),
+        (4096, false),
+        (REF_MIN, false),
+        (REF_MIN, true),
+        (1 << 20, false),
+        (1 << 20, true),
+    ] {
         pair(opts(1 << 20, 20), move |rank, link, rt| {
             let n = len / 4;
-            let mine: Vec<u8> = (0..n)
+            let values: Vec<u8> = (0..n)
                 .flat_map(|i| ((i + rank) as f32).to_le_bytes())
                 .collect();
+            let mut buf = SharedBuffer::new(len).unwrap();
+            buf.as_bytes_mut().copy_from_slice(&values);
+            let mine = if shared { buf.as_bytes() } else { &values[..] };
             let h = FrameHeader::data(
                 9,
                 1,
@@ -142,11 +167,11 @@ fn recv_reduce_adds_inline_and_by_reference() {
                 let red = Reduction {
                     op: ReduceOp::Sum,
                     dtype: DataType::F32,
-                    local: Some(BufRef::from_host(&mine)),
+                    local: Some(BufRef::from_host(mine)),
                     kernels: &HOST_KERNELS,
                 };
                 let (s, r) = futures_join(
-                    link.send(h, BufRef::from_host(&mine)),
+                    link.send(h, BufRef::from_host(mine)),
                     link.recv_reduce(h, BufMut::from_host(&mut acc), red),
                 )
                 .await;
@@ -305,36 +330,42 @@ fn abort_notice_reaches_a_waiting_receiver() {
 }
 
 #[test]
-fn a_dropped_peer_fails_a_waiting_sender_by_reference() {
-    let errs = pair(opts(1 << 20, 0), |rank, link, rt| {
-        if rank == 0 {
-            // Leave without reading: the by-reference send on rank 1 must not wait forever.
-            thread::sleep(Duration::from_millis(100));
-            drop(link);
-            None
-        } else {
-            let data = vec![7u8; 1 << 20];
-            Some(
-                block_on(
-                    rt,
-                    link.send(header(0, data.len()), BufRef::from_host(&data)),
+fn a_dropped_peer_fails_a_waiting_sender() {
+    // By reference (a shared buffer), and through a ring that fills up.
+    for shared in [true, false] {
+        let errs = pair(opts(1 << 20, 0), move |rank, link, rt| {
+            if rank == 0 {
+                // Leave without reading: the send on rank 1 must not wait forever.
+                thread::sleep(Duration::from_millis(100));
+                drop(link);
+                None
+            } else {
+                let mut buf = SharedBuffer::new(4 << 20).unwrap();
+                buf.as_bytes_mut().fill(7);
+                let vec = vec![7u8; 4 << 20];
+                let data = if shared { buf.as_bytes() } else { &vec[..] };
+                Some(
+                    block_on(
+                        rt,
+                        link.send(header(0, data.len()), BufRef::from_host(data)),
+                    )
+                    .unwrap_err(),
                 )
-                .unwrap_err(),
-            )
-        }
-    });
-    assert!(
-        matches!(
-            errs[1],
-            Some(Error::PeerLost {
-                rank: 1,
-                peer: 0,
-                ..
-            })
-        ),
-        "{:?}",
-        errs[1]
-    );
+            }
+        });
+        assert!(
+            matches!(
+                errs[1],
+                Some(Error::PeerLost {
+                    rank: 1,
+                    peer: 0,
+                    ..
+                })
+            ),
+            "shared {shared}: {:?}",
+            errs[1]
+        );
+    }
 }
 
 /// Joins two futures (both must make progress: a send may wait for the receive).
