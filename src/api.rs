@@ -388,7 +388,9 @@ impl Communicator {
                 self.launch_send(T::DTYPE, dst, data),
             )
         };
-        let (r, s) = (received.wait(), sent.wait());
+        // The send first: waiting for the receive first made a 2-rank
+        // exchange of 2 MiB take 275-279 µs against 165-187.
+        let (s, r) = (sent.wait(), received.wait());
         r.and(s)
     }
 
