@@ -117,6 +117,26 @@ fn assert_png(path: &Path) {
     );
 }
 
+/// Runs ccl-bench with `args` (a `--check` run) under a fresh mark and
+/// returns its stdout, once it exited 0, found no wrong element and left no
+/// process behind; `what` names the run in a failure.
+fn checks_clean(scratch_name: &str, what: &str, args: &[&str]) -> String {
+    let (mark, _) = scratch(scratch_name);
+    let out = run(&mark, args);
+    let stdout = text(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{what}: {stdout}\n{}",
+        text(&out.stderr)
+    );
+    assert!(
+        stdout.contains("# Out of bounds values : 0 OK"),
+        "{what}: {stdout}"
+    );
+    assert_no_strays(&mark);
+    stdout
+}
+
 #[test]
 fn allreduce_1mb_checks_clean() {
     let (mark, _) = scratch("one");
@@ -281,7 +301,6 @@ fn large_board_calls_with_streaming_stores_check_clean() {
     for (coll, algo) in jobs {
         for ranks in ["2", "3"] {
             for inplace in [false, true] {
-                let (mark, _) = scratch("stream");
                 let mut args = vec![
                     coll,
                     "--size",
@@ -303,23 +322,12 @@ fn large_board_calls_with_streaming_stores_check_clean() {
                 if inplace {
                     args.push("--inplace");
                 }
-                let out = run(&mark, &args);
-                let stdout = text(&out.stdout);
                 let what = format!("{coll} ({algo}) ranks {ranks} in place {inplace}");
-                assert!(
-                    out.status.success(),
-                    "{what}: {stdout}\n{}",
-                    text(&out.stderr)
-                );
+                let stdout = checks_clean("stream", &what, &args);
                 assert!(
                     stdout.contains("board"),
                     "{what}: not on the board: {stdout}"
                 );
-                assert!(
-                    stdout.contains("# Out of bounds values : 0 OK"),
-                    "{what}: {stdout}"
-                );
-                assert_no_strays(&mark);
             }
         }
     }
@@ -336,7 +344,6 @@ fn shared_buffers_check_clean() {
                 if inplace && coll == "sendrecv" {
                     continue;
                 }
-                let (mark, _) = scratch("shared");
                 let mut args = vec![
                     coll,
                     "-b",
@@ -361,19 +368,11 @@ fn shared_buffers_check_clean() {
                 if inplace {
                     args.push("--inplace");
                 }
-                let out = run(&mark, &args);
-                let stdout = text(&out.stdout);
-                let what = format!("{coll} ranks {ranks} in place {inplace}");
-                assert!(
-                    out.status.success(),
-                    "{what}: {stdout}\n{}",
-                    text(&out.stderr)
+                checks_clean(
+                    "shared",
+                    &format!("{coll} ranks {ranks} in place {inplace}"),
+                    &args,
                 );
-                assert!(
-                    stdout.contains("# Out of bounds values : 0 OK"),
-                    "{what}: {stdout}"
-                );
-                assert_no_strays(&mark);
             }
         }
     }
