@@ -159,6 +159,20 @@ impl Error {
         }
     }
 
+    /// The error of a call that needed a link this rank closed itself (its
+    /// communicator was dropped, or its process is exiting, and an exit hook
+    /// closed the link): it blames this rank, not the peer, so that the
+    /// failure recorded for the others names the rank that went away.
+    pub fn closed_here(rank: usize, peer: usize) -> Error {
+        Error::Broken {
+            rank,
+            cause: format!(
+                "this rank closed its link to rank {peer} (its communicator was dropped \
+                 or its process is exiting)"
+            ),
+        }
+    }
+
     /// [`Error::Protocol`] from the link between `rank` and `peer`, the call
     /// left for [`Error::in_call`].
     pub fn protocol(rank: usize, peer: usize, msg: impl Into<String>) -> Error {

@@ -240,19 +240,29 @@ fn a_remote_access_error_fails_every_rank_with_the_peer_named() {
 
 /// A rank that dies in the middle of a large allreduce is named by every
 /// survivor, within seconds (the keepalive's retry-exceeded, or the abort
-/// notices of those who saw it first).
+/// notices of those who saw it first): whether it crashes, or calls `exit`,
+/// whose hook closes its links while its call still runs (that call's
+/// failure must then blame the victim, not the peer it closed on).
 #[test]
 fn a_lost_peer_is_named_by_every_survivor() {
-    let fabric = Fabric::new("die");
     let victim = 1;
-    let out = launch(
-        WORKER,
-        &["die", &victim.to_string()],
-        3,
-        &fabric.env(&[]),
-        Duration::from_secs(90),
-    );
-    for o in &out {
+    for how in ["crash", "exit"] {
+        let fabric = Fabric::new(&format!("die-{how}"));
+        let out = launch(
+            WORKER,
+            &["die", &victim.to_string(), "large", how],
+            3,
+            &fabric.env(&[]),
+            Duration::from_secs(90),
+        );
+        survivors_name(&out, victim, how);
+    }
+}
+
+/// Asserts that the victim ended with its code and that every survivor
+/// failed naming it, in time.
+fn survivors_name(out: &[RankOutput], victim: usize, how: &str) {
+    for o in out {
         if o.rank == victim {
             assert_eq!(o.code, Some(7));
             continue;
@@ -260,7 +270,7 @@ fn a_lost_peer_is_named_by_every_survivor() {
         assert_eq!(o.code, Some(0), "survivor {}: {}", o.rank, o.text());
         assert!(
             o.stdout.contains(&format!("lost rank {victim}")),
-            "survivor {} does not name rank {victim}: {}\nevery rank:\n{}",
+            "victim's end {how}: survivor {} does not name rank {victim}: {}\nevery rank:\n{}",
             o.rank,
             o.text(),
             out.iter().map(|o| o.text()).collect::<Vec<_>>().join("\n")

@@ -576,8 +576,7 @@ impl<V: Verbs> Peer<V> {
             }
             std::thread::yield_now();
         }
-        let e = self.lost("this rank closed the link".into());
-        self.fail(e);
+        self.fail(Error::closed_here(self.rank, self.peer));
     }
 
     /// Arms the queue pair's completion queue (see [`QueuePair::arm`]).

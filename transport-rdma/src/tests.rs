@@ -615,7 +615,8 @@ fn receive(a: &mut P, step: u32, len: usize) -> crate::Result<Vec<u8>> {
 /// A side that says bye right after its eager sends, and is then torn
 /// down: its messages still arrive; the credit and keepalive the receiver
 /// wrote to it before it saw the bye fail without failing the pair; an
-/// operation that needs the closed side fails at once, saying so.
+/// operation that needs the closed side fails at once, saying so, and one
+/// still running on the closing side blames that side, not its peer.
 #[test]
 fn a_peer_that_said_bye_fails_only_what_needs_it() {
     let fabric = Fabric::new();
@@ -632,6 +633,15 @@ fn a_peer_that_said_bye_fails_only_what_needs_it() {
         b.writes_in_flight(),
         0,
         "the closing side waits for its writes"
+    );
+    // A call still running on the closing side (its process exiting) fails
+    // blaming that side itself, not the peer it had closed on.
+    let e = receive(&mut b, 0, 4).unwrap_err();
+    assert_eq!(e.failed_rank(), None, "{e}");
+    assert!(
+        e.to_string()
+            .contains("rank 1: communicator is broken by an earlier error: this rank closed its link to rank 0"),
+        "{e}"
     );
     drop(b);
     // Not polled yet, the bye is unseen: the owed credit and a keepalive go

@@ -789,9 +789,20 @@ fn main() {
             // the calls before it were: no CPU moves a rank's 128 MiB in and
             // out (a copy of at least 256 MiB) in 2 ms.
             let small = args.get(3).map(String::as_str) == Some("small");
+            // "exit": the victim calls `exit`, whose hooks (a transport's
+            // teardown) run while its communicator's threads go on, as in a
+            // program that exits mid-collective; else it ends as a crash does.
+            let by_exit = args.get(4).map(String::as_str) == Some("exit");
+            let end = |code| {
+                if by_exit {
+                    exit(code)
+                } else {
+                    die(code)
+                }
+            };
             if small && comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(20));
-                die(7);
+                end(7);
             }
             let len = if small { 2 } else { 32 << 20 };
             let buf = vec![1.0f32; len];
@@ -805,7 +816,7 @@ fn main() {
             let w = comm.iallreduce(buf, ReduceOp::Sum);
             if comm.rank() == victim {
                 std::thread::sleep(std::time::Duration::from_millis(2));
-                die(7);
+                end(7);
             }
             match w.wait() {
                 Ok(_) => ck.fail("allreduce with a dead rank succeeded".into()),
