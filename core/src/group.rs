@@ -133,6 +133,14 @@ pub trait GroupMemory: Send + Sync {
     /// instead of two. `None` where some rank cannot; the same on every rank.
     fn direct_min(&self) -> Option<usize>;
 
+    /// Whether [`GroupMemory::read_direct`] and [`GroupMemory::write_direct`]
+    /// are worth calling on memory outside shared regions (a region of id
+    /// 0), which they copy through the kernel: where that copy is slow
+    /// against the posts' two plain copies, group algorithms read directly
+    /// only out of shared regions. Meaningful where
+    /// [`GroupMemory::direct_min`] offers direct reads; the same on every rank.
+    fn kernel_copies_pay(&self) -> bool;
+
     /// The shared region of this process that holds the `len` bytes at
     /// `addr`, for the other ranks to map ([`Remote`]); the default region
     /// (none) where there is none.

@@ -79,6 +79,7 @@ use crate::{
     cma::{self, Fault},
     region::{self, PeerRegions},
     segment::Segment,
+    DirectReads,
 };
 
 const MAGIC: u64 = u64::from_le_bytes(*b"CCLBRD04");
@@ -106,6 +107,24 @@ const BASE: usize = 24;
 const CAN_READ: u32 = 1;
 /// Value of `direct`: it cannot read some peer's memory.
 const CANNOT_READ: u32 = 2;
+/// Value of `direct`: it can, but the kernel's copies are slow here
+/// ([`KERNEL_COPY_MAX`]).
+const READS_SLOWLY: u32 = 3;
+
+/// Bytes of this rank's slots that board set-up copies out of a peer's
+/// mapping of them through the kernel, and out of its own plainly, to time
+/// the two ([`DirectReads::Timed`]): past the L2 of the hosts measured.
+const TIMED_BYTES: usize = 2 << 20;
+/// The most times a plain copy that the kernel's copy may take for the
+/// board to copy memory outside shared buffers through the kernel: a post
+/// takes two plain copies and the syscall-free wake-up, a direct read one
+/// kernel copy. On a 2-vCPU AMD EPYC VM the kernel's copy of 2 MiB took 4.0–4.4
+/// times a plain one (256 KiB: 8.5 times, the kernel pinning each page
+/// first), and posts beat direct reads in all five moving collectives at
+/// most sizes (docs/compare/latest/cma.txt); on the 2-vCPU Xeon VM where the
+/// direct reads were tuned, `process_vm_readv` of 64 MiB took 1.7–2.2
+/// times `memcpy` (docs/DESIGN.md).
+const KERNEL_COPY_MAX: u32 = 3;
 
 /// The smallest block that group algorithms copy straight out of a peer's
 /// buffer, where every rank can: below it the posts, which need no system
@@ -113,6 +132,21 @@ const CANNOT_READ: u32 = 2;
 /// direct in some collectives and slower in others, 16 KiB ones faster in
 /// all but one, which tied).
 const DIRECT_MIN: usize = 16 * 1024;
+
+/// The smallest block that group algorithms copy straight out of a peer's
+/// shared buffer where the kernel's copies do not pay: they first take a
+/// round to ask whether the blocks lie in shared buffers. On a 2-vCPU AMD
+/// EPYC VM, 2 ranks: that round cost own buffers 0.1–0.4 µs of 0.5–1.1 at
+/// 32 KiB, and shared buffers gained 1 µs of 2–3 at 128 KiB but little at
+/// 32 KiB.
+const SHARED_DIRECT_MIN: usize = 128 * 1024;
+
+/// The same where the host's ranks outnumber its CPUs, and a round costs
+/// wake-ups: on that VM, 4 ranks at 128 KiB, the round cost own buffers
+/// about 2 µs of 9–14 and shared buffers gained nothing or lost (gather
+/// 7.4–7.7 µs against 4.2–4.3 through posts); at 512 KiB shared buffers
+/// took 10–34 µs against 13–48.
+const SHARED_DIRECT_MIN_SHARING_CPUS: usize = 512 * 1024;
 
 /// The smallest output of a call, over all the ranks of the board (which
 /// share a host), that group algorithms write with streaming stores
@@ -174,6 +208,9 @@ pub struct Board {
     window: SpinWindow,
     /// Every rank can read every other's memory (see the module docs).
     direct: bool,
+    /// Every rank found the kernel's copies fast enough to use on memory
+    /// outside shared buffers ([`GroupMemory::kernel_copies_pay`]).
+    kernel_copies_pay: bool,
     /// The peers' shared buffers this rank mapped.
     peer_regions: PeerRegions,
 }
@@ -429,23 +466,69 @@ impl Drop for Board {
 
 impl Board {
     /// Probes whether this rank can read every peer's memory (unless `cma`
-    /// is off), tells the others, and returns whether every rank can.
-    fn agree_on_direct_reads(&self, cma: bool, deadline: &Deadline) -> Result<bool> {
+    /// is [`DirectReads::Never`]) and, where `cma` is [`DirectReads::Timed`],
+    /// whether the kernel's copies are fast enough ([`Self::kernel_copy_is_fast`]);
+    /// tells the others, and returns whether every rank can read and whether
+    /// every rank found the copies fast.
+    fn agree_on_direct_reads(&self, cma: DirectReads, deadline: &Deadline) -> Result<(bool, bool)> {
         let peers = || (0..self.n).filter(|&p| p != self.rank);
-        let can = cma
+        let can = cma != DirectReads::Never
             && peers()
                 .all(|p| cma::probe(self.pid(p), self.seg.load(self.control(p) + BASE), MAGIC));
-        let mine = if can { CAN_READ } else { CANNOT_READ };
+        let mine = match can {
+            false => CANNOT_READ,
+            true if cma == DirectReads::Timed && !self.kernel_copy_is_fast() => READS_SLOWLY,
+            true => CAN_READ,
+        };
         self.word32(self.rank, DIRECT)
             .store(mine, Ordering::Release);
         self.wake_sleepers();
-        let mut all = can;
+        let (mut all, mut fast) = (can, mine == CAN_READ);
         for p in peers() {
             let theirs = || self.word32(p, DIRECT).load(Ordering::Acquire);
             self.wait_for(p, deadline, || theirs() != 0)?;
-            all &= theirs() == CAN_READ;
+            all &= theirs() != CANNOT_READ;
+            fast &= theirs() == CAN_READ;
         }
-        Ok(all)
+        Ok((all, all && fast))
+    }
+
+    /// Whether copying this rank's slots through the kernel, out of the
+    /// next rank's mapping of them, takes at most [`KERNEL_COPY_MAX`] times
+    /// copying them plainly: the fastest of four copies each (the first
+    /// warms the pages and caches). Nobody writes the slots yet (no rank
+    /// posts before every rank has told whether it can read).
+    fn kernel_copy_is_fast(&self) -> bool {
+        if self.n < 2 {
+            return true;
+        }
+        let peer = (self.rank + 1) % self.n;
+        let at = self.slot_at(self.rank, 0);
+        let len = TIMED_BYTES.min(2 * self.slot);
+        let remote = self.seg.load(self.control(peer) + BASE) + at as u64;
+        // SAFETY: this rank's two slots, inside the segment; see above.
+        let slots = unsafe { std::slice::from_raw_parts(self.seg.base().add(at), len) };
+        let mut into = vec![0u8; len];
+        let (mut kernel, mut plain) = (Duration::MAX, Duration::MAX);
+        for _ in 0..4 {
+            let t = Instant::now();
+            if cma::read(self.pid(peer), remote, &mut into).is_err() {
+                return false;
+            }
+            kernel = kernel.min(t.elapsed());
+            let t = Instant::now();
+            into.copy_from_slice(std::hint::black_box(slots));
+            plain = plain.min(t.elapsed());
+        }
+        let fast = kernel <= plain * KERNEL_COPY_MAX;
+        tracing::debug!(
+            rank = self.rank,
+            ?kernel,
+            ?plain,
+            fast,
+            "the kernel's copy of {len} bytes of the board timed"
+        );
+        fast
     }
 
     /// Rank `r`'s process.
@@ -792,7 +875,16 @@ impl GroupMemory for Board {
     }
 
     fn direct_min(&self) -> Option<usize> {
-        self.direct.then_some(DIRECT_MIN)
+        let min = match (self.kernel_copies_pay, self.spin.yield_between) {
+            (true, _) => DIRECT_MIN,
+            (false, false) => SHARED_DIRECT_MIN,
+            (false, true) => SHARED_DIRECT_MIN_SHARING_CPUS,
+        };
+        self.direct.then_some(min)
+    }
+
+    fn kernel_copies_pay(&self) -> bool {
+        self.kernel_copies_pay
     }
 
     fn stream_min(&self) -> usize {
@@ -896,7 +988,7 @@ pub fn connect_board(
     dir: &Path,
     timeout: Duration,
     spin: Spin,
-    cma: bool,
+    cma: DirectReads,
 ) -> Result<std::result::Result<Board, String>> {
     let slot = board_slot_bytes(n);
     let deadline = Instant::now() + timeout;
@@ -1002,6 +1094,7 @@ pub fn connect_board(
         spin,
         window: SpinWindow::new(spin.window),
         direct: false,
+        kernel_copies_pay: false,
         peer_regions: PeerRegions::default(),
     };
     board.exits = (0..n)
@@ -1012,7 +1105,8 @@ pub fn connect_board(
         })
         .collect();
     board.map_heads();
-    board.direct = board.agree_on_direct_reads(cma, &Deadline::after(left()))?;
+    (board.direct, board.kernel_copies_pay) =
+        board.agree_on_direct_reads(cma, &Deadline::after(left()))?;
     Ok(Ok(board))
 }
 
@@ -1025,13 +1119,14 @@ mod tests {
 
     use super::*;
 
-    /// Two boards of one communicator, as two ranks would hold them.
+    /// Two boards of one communicator, as two ranks would hold them, with
+    /// direct reads wherever the kernel allows them.
     fn pair(spin: Spin) -> (Board, Board) {
-        pair_with(spin, [true, true])
+        pair_with(spin, [DirectReads::Always; 2])
     }
 
-    /// The same, where rank r probes cross-memory attach if `cma[r]`.
-    fn pair_with(spin: Spin, cma: [bool; 2]) -> (Board, Board) {
+    /// The same, where rank r reads directly as `cma[r]` says.
+    fn pair_with(spin: Spin, cma: [DirectReads; 2]) -> (Board, Board) {
         let store = Arc::new(HashStore::new());
         let connect = move |rank: usize, store: Arc<HashStore>| {
             connect_board(
@@ -1098,6 +1193,7 @@ mod tests {
         let (zero, one) = pair(Spin::default());
         assert_eq!(zero.direct_min(), Some(DIRECT_MIN));
         assert_eq!(one.direct_min(), Some(DIRECT_MIN));
+        assert!(zero.kernel_copies_pay() && one.kernel_copies_pay());
         let theirs: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         let mut got = vec![0u8; theirs.len()];
         let at = |addr: u64| Remote {
@@ -1165,12 +1261,49 @@ mod tests {
                 .is_err(),
             "past the buffer's end, the kernel is asked and refuses"
         );
-        for cma in [[true, false], [false, true]] {
+        for cma in [
+            [DirectReads::Always, DirectReads::Never],
+            [DirectReads::Never, DirectReads::Timed],
+        ] {
             let (zero, one) = pair_with(Spin::default(), cma);
             assert_eq!(
                 (zero.direct_min(), one.direct_min()),
                 (None, None),
                 "{cma:?}"
+            );
+        }
+    }
+
+    /// Where the ranks time the kernel's copies, they read directly and
+    /// agree on whether to copy memory outside shared buffers through the
+    /// kernel, whatever each found; a rank that finds them slow (timing)
+    /// turns them off for a rank that uses them wherever it can.
+    #[test]
+    fn ranks_that_time_the_kernels_copies_agree_on_them() {
+        for cma in [
+            [DirectReads::Timed; 2],
+            [DirectReads::Timed, DirectReads::Always],
+        ] {
+            let (zero, one) = pair_with(Spin::default(), cma);
+            assert!(zero.direct_min().is_some(), "{cma:?}");
+            assert_eq!(zero.direct_min(), one.direct_min(), "{cma:?}");
+            assert_eq!(
+                zero.direct_min() == Some(DIRECT_MIN),
+                zero.kernel_copies_pay(),
+                "{cma:?}: shared buffers alone are read from larger blocks"
+            );
+            assert_eq!(zero.kernel_copies_pay(), one.kernel_copies_pay(), "{cma:?}");
+            let said = |r: usize| zero.word32(r, DIRECT).load(Ordering::Acquire);
+            assert_ne!(said(0), CANNOT_READ, "{cma:?}");
+            if cma[1] == DirectReads::Always {
+                assert_eq!(said(1), CAN_READ, "a rank that does not time says it reads");
+            }
+            assert_eq!(
+                zero.kernel_copies_pay(),
+                said(0) == CAN_READ && said(1) == CAN_READ,
+                "{cma:?}: ranks said {} and {}",
+                said(0),
+                said(1)
             );
         }
     }

@@ -78,9 +78,37 @@ pub struct ShmOptions {
     pub bytes: usize,
     /// Directory of the segments (a tmpfs).
     pub dir: PathBuf,
-    /// Read large messages straight from the peer's memory where the kernel
-    /// allows it (`false`, `CCL_SHM_CMA=0`: always copy through the ring).
-    pub cma: bool,
+    /// When ranks read each other's memory directly (`CCL_SHM_CMA`).
+    pub cma: DirectReads,
+}
+
+/// When ranks read (and write) each other's memory directly rather than
+/// copying through the rings and the board's slots (`CCL_SHM_CMA`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DirectReads {
+    /// Never (`0`).
+    Never,
+    /// Where the kernel allows it, except that the board copies memory
+    /// outside shared buffers through the kernel only where board set-up
+    /// timed that copy as paying (`auto`, the default; see
+    /// [`GroupMemory::kernel_copies_pay`]).
+    Timed,
+    /// Wherever the kernel allows it (`1`).
+    Always,
+}
+
+impl DirectReads {
+    /// The value of `CCL_SHM_CMA`: `auto` (or unset), else a flag.
+    fn from_config(config: &Config) -> Result<DirectReads> {
+        match config.knob("CCL_SHM_CMA").map(str::trim) {
+            None | Some("auto") => Ok(DirectReads::Timed),
+            Some("1") => Ok(DirectReads::Always),
+            Some("0") => Ok(DirectReads::Never),
+            Some(v) => Err(Error::Config(format!(
+                "CCL_SHM_CMA={v:?}: expected 0, 1 or auto"
+            ))),
+        }
+    }
 }
 
 impl Default for ShmOptions {
@@ -88,7 +116,7 @@ impl Default for ShmOptions {
         ShmOptions {
             bytes: DEFAULT_BYTES,
             dir: PathBuf::from(SHM_DIR),
-            cma: true,
+            cma: DirectReads::Timed,
         }
     }
 }
@@ -98,7 +126,7 @@ impl ShmOptions {
     pub fn from_config(config: &Config) -> Result<ShmOptions> {
         Ok(ShmOptions {
             bytes: config.knob_number("CCL_SHM_BYTES", DEFAULT_BYTES, 64 * 1024..=1 << 30)?,
-            cma: config.knob_flag("CCL_SHM_CMA", true)?,
+            cma: DirectReads::from_config(config)?,
             ..ShmOptions::default()
         })
     }
@@ -275,7 +303,8 @@ fn connect(
     let link_to = |p: usize, seg: Segment, o: &Offer| -> Result<Arc<dyn Link>> {
         let peer_bell = Bell::new(&o.bell)
             .map_err(|e| Error::io(format!("rank {rank}: doorbell of rank {p}"), e))?;
-        let can_read = opts.cma && cma::probe(Pid::from_raw(o.pid), o.base, link::MAGIC);
+        let can_read =
+            opts.cma != DirectReads::Never && cma::probe(Pid::from_raw(o.pid), o.base, link::MAGIC);
         seg.word(link::side(usize::from(rank > p)) + CMA_OK)
             .store(if can_read { 1 } else { 2 }, Ordering::Release);
         Ok(Arc::new(ShmLink::new(

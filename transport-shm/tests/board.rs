@@ -12,7 +12,7 @@ use ccl_core::{
     CollectiveKind, DataType, Deadline, Error, Fingerprint, FrameHeader, GroupMemory, Spin, Store,
 };
 use ccl_rendezvous::HashStore;
-use ccl_transport_shm::{connect_board, Board, HEADS, INLINE, SHM_DIR, SMALL};
+use ccl_transport_shm::{connect_board, Board, DirectReads, HEADS, INLINE, SHM_DIR, SMALL};
 
 const SPIN: Spin = Spin {
     window: Duration::from_micros(20),
@@ -49,7 +49,7 @@ fn ranks<T: Send + 'static>(
                     Path::new(SHM_DIR),
                     Duration::from_secs(20),
                     SPIN,
-                    true,
+                    DirectReads::Timed,
                 )
                 .expect("store")
                 .expect("board");

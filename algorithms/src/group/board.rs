@@ -79,6 +79,18 @@ const PROBE_ROUNDS: usize = 16;
 /// while they did not.
 const NEAR_NS: u64 = 400;
 
+/// Whether a collective moves data without reducing it.
+fn moves(kind: CollectiveKind) -> bool {
+    matches!(
+        kind,
+        CollectiveKind::AllGather
+            | CollectiveKind::Gather
+            | CollectiveKind::AllToAll
+            | CollectiveKind::Broadcast
+            | CollectiveKind::Scatter
+    )
+}
+
 /// The largest chunk of a board call, except board-direct's where the
 /// outputs reach [`GroupMemory::stream_min`] (those fill the slot: fewer
 /// rounds, each two waits on every rank). A chunk is posted and read back
@@ -270,11 +282,11 @@ impl BoardCall<'_> {
         // ask first whether the blocks lie in shared buffers (and a 2-rank
         // allgather whether the cores are far; see `shared_or_far`).
         let direct_reads = match self.posts_unless_shared(mem, part, large) {
-            Some(probe) => self.shared_or_far(mem, input, probe, &deadline)?,
-            None => self.reads_directly(mem, part, large),
+            Some(probe) => self.shared_or_far(mem, input, output, probe, &deadline)?,
+            None => self.reads_directly(mem, part, large).then_some(true),
         };
-        if direct_reads {
-            return self.read_directly(mem, input, output, stream, &deadline);
+        if let Some(writes) = direct_reads {
+            return self.read_directly(mem, input, output, stream, writes, &deadline);
         }
         let mut off = 0;
         let mut step = u32::from(direct);
@@ -460,8 +472,9 @@ impl BoardCall<'_> {
     /// Whether the call copies its blocks straight out of the other ranks'
     /// buffers: it moves data without reducing it, in blocks of at least
     /// the size from which the memory offers direct reads and at most the
-    /// limits above (the same answer on every rank). Not an allgather whose
-    /// outputs are `large` (streamed): while the ranks' cores share a cache
+    /// limits above, where the kernel's copies pay (the same answer on
+    /// every rank). Not an allgather whose outputs are `large` (streamed):
+    /// while the ranks' cores share a cache
     /// every rank's copies out of the posts stream, which the kernel's
     /// copies do not, and on a 2-core VM 2 ranks' allgather of a 128 MiB
     /// buffer took 15.2–17.7 ms through posts against 17.0–24.4 by direct
@@ -470,14 +483,6 @@ impl BoardCall<'_> {
     /// directly ([`Self::posts_unless_shared`]).
     fn reads_directly(&self, mem: &dyn GroupMemory, part: usize, large: bool) -> bool {
         let kind = self.call.coll.kind;
-        let moves = matches!(
-            kind,
-            CollectiveKind::AllGather
-                | CollectiveKind::Gather
-                | CollectiveKind::AllToAll
-                | CollectiveKind::Broadcast
-                | CollectiveKind::Scatter
-        );
         let max = match kind {
             CollectiveKind::AllGather if large => 0,
             CollectiveKind::AllGather | CollectiveKind::Broadcast if self.call.world_size > 2 => {
@@ -486,38 +491,53 @@ impl BoardCall<'_> {
             CollectiveKind::Gather if self.call.world_size > 2 => GATHER_DIRECT_MAX,
             _ => usize::MAX,
         };
-        moves && part > 0 && part <= max && mem.direct_min().is_some_and(|min| part >= min)
+        moves(kind)
+            && part > 0
+            && part <= max
+            && mem.direct_min().is_some_and(|min| part >= min)
+            && mem.kernel_copies_pay()
     }
 
-    /// Where [`Self::reads_directly`] keeps an allgather or broadcast to
-    /// posts for the size of its blocks (above 2 ranks, or an allgather of
-    /// large outputs), though they may be read directly: `Some(probe)`,
-    /// `probe` telling whether to probe the cores (a 2-rank allgather whose
-    /// ranks have CPUs of their own); the same answer on every rank.
+    /// Where [`Self::reads_directly`] keeps a call that moves blocks to
+    /// posts though they may be read directly: an allgather or broadcast
+    /// for the size of its blocks (above 2 ranks, or an allgather of large
+    /// outputs), and any such call where the kernel's copies do not pay
+    /// ([`GroupMemory::kernel_copies_pay`]). Then `Some(probe)`, `probe`
+    /// telling whether to probe the cores (a 2-rank allgather whose ranks
+    /// have CPUs of their own, where the kernel's copies pay); the same
+    /// answer on every rank.
     fn posts_unless_shared(&self, mem: &dyn GroupMemory, part: usize, large: bool) -> Option<bool> {
         let (kind, n) = (self.call.coll.kind, self.call.world_size);
+        let pay = mem.kernel_copies_pay();
         let could = mem.direct_min().is_some_and(|min| part >= min)
-            && matches!(kind, CollectiveKind::AllGather | CollectiveKind::Broadcast);
+            && moves(kind)
+            && (!pay || matches!(kind, CollectiveKind::AllGather | CollectiveKind::Broadcast));
         if !could || self.reads_directly(mem, part, large) {
             return None;
         }
-        let probe = n == 2 && kind == CollectiveKind::AllGather && !mem.ranks_share_cpus();
+        let probe = pay && n == 2 && kind == CollectiveKind::AllGather && !mem.ranks_share_cpus();
         Some(probe)
     }
 
     /// Whether a call that [`Self::posts_unless_shared`] keeps to posts
-    /// reads directly after all: where every input it reads lies in a
-    /// shared buffer, which the reading ranks copy with their own loads and
+    /// reads directly after all (`Some`): where every input it reads lies in
+    /// a shared buffer, which the reading ranks copy with their own loads and
     /// streaming stores, or (`probe`) where the ranks' cores are far now.
+    /// Inside `Some`, whether the sources may write shares of their blocks
+    /// into the destinations' outputs ([`Self::read_directly`]): where the
+    /// kernel's copies pay or those outputs are shared too.
     /// On a 2-core VM through shared buffers: 2 ranks' allgather of 128
     /// MiB took 10.3 ms against 15.4 through posts; 4 ranks' broadcast of
     /// 8 MiB 1.1–1.2 ms against 4.7–5.0, allgather of 8 MiB 0.8–1.5 against
     /// 2.2–2.9, of 128 MiB 22.9–24.6 against 25.5–27.0.
     ///
-    /// Every rank posts whether its input is shared, and reads the answers
-    /// of the ranks whose inputs the call reads (a broadcast's root; every
-    /// rank of an allgather). The probe: both ranks post and read
-    /// [`PROBE_ROUNDS`] empty rounds, which run in lockstep: two rounds
+    /// Every rank posts whether its input and its output are shared, and
+    /// reads the answers of the ranks whose inputs the call reads (a
+    /// broadcast's or scatter's root; the others of a gather; every rank of
+    /// an allgather or all-to-all) or whose outputs the sources would write
+    /// (a broadcast's or scatter's other ranks; a gather's root). The
+    /// probe: both ranks post and read [`PROBE_ROUNDS`] empty rounds, which
+    /// run in lockstep: two rounds
     /// take about the time a post takes to reach the other core and back.
     /// Rank 0 times them in pairs and posts whether the fastest pair took
     /// less than [`NEAR_NS`] (the fastest, as a rank may be interrupted);
@@ -526,25 +546,44 @@ impl BoardCall<'_> {
         &self,
         mem: &dyn GroupMemory,
         input: (*mut u8, usize),
+        output: (*mut u8, usize),
         probe: bool,
         deadline: &Deadline,
-    ) -> Result<bool> {
+    ) -> Result<Option<bool>> {
         let (header, me, n) = (self.call.header(0, 0), self.call.rank, self.call.world_size);
-        let coll = &self.call.coll;
-        let shared = u8::from(mem.region(input.0 as u64, input.1).id != 0);
+        let (kind, root) = (self.call.coll.kind, self.call.coll.root);
+        let shared = |(at, len): (*mut u8, usize)| u8::from(mem.region(at as u64, len).id != 0);
+        let mine = [shared(input), shared(output)];
         let round = Round::begin(mem, header, deadline)?;
-        round.post(&[shared])?;
-        let mut all_shared = true;
+        round.post(&mine)?;
+        let (mut inputs, mut outputs) = (true, true);
         for r in 0..n {
-            let read = coll.kind == CollectiveKind::AllGather || r == coll.root;
-            all_shared &= match (read, r == me) {
-                (false, _) => true,
-                (true, true) => shared == 1,
-                (true, false) => round.read(r, 1)?[0] == 1,
+            let read = match kind {
+                CollectiveKind::Broadcast | CollectiveKind::Scatter => r == root,
+                CollectiveKind::Gather => r != root,
+                _ => true,
             };
+            let written = match kind {
+                CollectiveKind::Broadcast | CollectiveKind::Scatter => r != root,
+                CollectiveKind::Gather => r == root,
+                _ => false,
+            };
+            if !read && !written {
+                continue;
+            }
+            let theirs = match r == me {
+                true => mine,
+                false => {
+                    let said = round.read(r, 2)?;
+                    [said[0], said[1]]
+                }
+            };
+            inputs &= !read || theirs[0] == 1;
+            outputs &= !written || theirs[1] == 1;
         }
-        if all_shared || !probe {
-            return Ok(all_shared);
+        let writes = mem.kernel_copies_pay() || outputs;
+        if inputs || !probe {
+            return Ok(inputs.then_some(writes));
         }
         let other = 1 - me;
         let exchange = |say: &[u8]| -> Result<Option<u8>> {
@@ -561,7 +600,8 @@ impl BoardCall<'_> {
         }
         let near = u8::from(fastest < NEAR_NS);
         let theirs = exchange(&[near])?;
-        Ok(if me == 0 { Some(near) } else { theirs } == Some(0))
+        let far = if me == 0 { Some(near) } else { theirs } == Some(0);
+        Ok(far.then_some(writes))
     }
 
     /// Moves the call's blocks in one round of direct copies: every rank
@@ -573,14 +613,15 @@ impl BoardCall<'_> {
     /// scatter's root, a gather's other ranks), the source writes a share
     /// of the block into the destination's output while the destination
     /// reads the rest, two cores copying where one did (see
-    /// [`Self::read_share`]). With `stream`, what a rank copies within its
-    /// own memory goes out with streaming stores.
+    /// [`Self::read_share`]), if `writes`. With `stream`, what a rank copies
+    /// within its own memory goes out with streaming stores.
     fn read_directly(
         &self,
         mem: &dyn GroupMemory,
         input: (*mut u8, usize),
         output: (*mut u8, usize),
         stream: bool,
+        writes: bool,
         deadline: &Deadline,
     ) -> Result<()> {
         let (call, coll) = (self.call, &self.call.coll);
@@ -590,7 +631,7 @@ impl BoardCall<'_> {
         // The root decides how the blocks between it and each other rank
         // are split, and posts it (see `read_share`): no split where the
         // ranks share CPUs, as the other side is not idle there.
-        let split = match me == root && !mem.ranks_share_cpus() {
+        let split = match me == root && writes && !mem.ranks_share_cpus() {
             true => self.read_share(part, n, input.0, output.0),
             false => part,
         };
@@ -1143,7 +1184,7 @@ mod tests {
     #[test]
     fn a_far_allgather_reads_directly_with_streamed_outputs() {
         let part = 3 << 16;
-        let members = mem_group::group(2, 1 << 16, Some(1), 1, false);
+        let members = mem_group::group(2, 1 << 16, Some(1), true, 1, false);
         let outputs: Vec<Vec<u8>> = std::thread::scope(|s| {
             let running: Vec<_> = members
                 .iter()
@@ -1168,6 +1209,7 @@ mod tests {
                             mem,
                             (input.as_mut_ptr(), part),
                             (output.as_mut_ptr(), 2 * part),
+                            true,
                             true,
                             &deadline,
                         )

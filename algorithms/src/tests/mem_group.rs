@@ -36,6 +36,9 @@ struct Shared {
     slot_bytes: usize,
     /// What [`GroupMemory::direct_min`] answers.
     direct_min: Option<usize>,
+    /// What [`GroupMemory::kernel_copies_pay`] answers: where not, a direct
+    /// read or write outside a shared region is an error.
+    kernel_copies: bool,
     /// What [`GroupMemory::stream_min`] answers.
     stream_min: usize,
     /// Every buffer counts as lying in a shared region, which
@@ -70,13 +73,15 @@ pub(crate) struct MemGroup {
 
 /// Group memory for `n` ranks with `slot_bytes` per slot, offering direct
 /// reads of blocks from `direct_min` bytes (ranks share this address
-/// space, so a direct read is a plain copy) and streaming stores for
-/// outputs from `stream_min` bytes, and with `mapped`, every buffer in a
-/// shared region (lent where it lies): one handle per rank.
+/// space, so a direct read is a plain copy), outside shared regions only
+/// with `kernel_copies`, and streaming stores for outputs from `stream_min`
+/// bytes, and with `mapped`, every buffer in a shared region (lent where it
+/// lies): one handle per rank.
 pub(crate) fn group(
     n: usize,
     slot_bytes: usize,
     direct_min: Option<usize>,
+    kernel_copies: bool,
     stream_min: usize,
     mapped: bool,
 ) -> Vec<MemGroup> {
@@ -91,6 +96,7 @@ pub(crate) fn group(
         n,
         slot_bytes,
         direct_min,
+        kernel_copies,
         stream_min,
         mapped,
         heads: (0..n)
@@ -136,10 +142,16 @@ impl MemGroup {
     }
 
     /// Fails unless this memory offers direct reads and writes of `rank`.
-    fn offers_direct(&self, rank: usize) -> Result<()> {
-        if self.shared.direct_min.is_none() || rank >= self.shared.n {
+    /// An error unless this memory offers direct access to rank `rank`'s
+    /// memory at `at`.
+    fn offers_direct(&self, rank: usize, at: Remote) -> Result<()> {
+        let kernel = at.region.id == 0;
+        if self.shared.direct_min.is_none()
+            || rank >= self.shared.n
+            || kernel && !self.shared.kernel_copies
+        {
             return Err(Error::Internal(format!(
-                "rank {}: direct access to rank {rank}, which this group memory does not offer",
+                "rank {}: direct access to rank {rank} (through the kernel: {kernel}), which this group memory does not offer",
                 self.rank
             )));
         }
@@ -352,6 +364,10 @@ impl GroupMemory for MemGroup {
         self.shared.direct_min
     }
 
+    fn kernel_copies_pay(&self) -> bool {
+        self.shared.kernel_copies
+    }
+
     fn stream_min(&self) -> usize {
         self.shared.stream_min
     }
@@ -368,7 +384,7 @@ impl GroupMemory for MemGroup {
     }
 
     fn read_direct(&self, rank: usize, from: Remote, into: &mut [u8], _stream: bool) -> Result<()> {
-        self.offers_direct(rank)?;
+        self.offers_direct(rank, from)?;
         let addr = from.addr;
         // SAFETY: ranks are threads of this process, and the algorithm
         // posted `addr` as a buffer of at least this length that stays
@@ -388,14 +404,14 @@ impl GroupMemory for MemGroup {
         if !self.shared.mapped {
             return Ok(false);
         }
-        self.offers_direct(rank)?;
+        self.offers_direct(rank, from)?;
         // SAFETY: as in `read_direct`.
         read(unsafe { std::slice::from_raw_parts(from.addr as usize as *const u8, len) })?;
         Ok(true)
     }
 
     fn write_direct(&self, rank: usize, to: Remote, from: &[u8], _stream: bool) -> Result<()> {
-        self.offers_direct(rank)?;
+        self.offers_direct(rank, to)?;
         let addr = to.addr;
         // SAFETY: ranks are threads of this process, and the algorithm
         // posted `addr` as a buffer of at least this length that its owner

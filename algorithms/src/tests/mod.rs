@@ -152,11 +152,11 @@ fn run_on(
     };
     let what = format!("{kind} {algorithm} n={n} count={count} root={root}");
     let limit = Duration::from_secs(60);
-    let on_group = |direct_min: Option<usize>, stream_min: usize, mapped: bool| {
+    let on_group = |direct_min: Option<usize>, kernel: bool, stream_min: usize, mapped: bool| {
         let mut memory: Vec<RankMemory> = (0..n)
             .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
             .collect();
-        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, stream_min, mapped);
+        let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, kernel, stream_min, mapped);
         let results = std::thread::scope(|s| {
             let running: Vec<_> = members
                 .iter()
@@ -174,19 +174,31 @@ fn run_on(
         outputs(&what, results, &memory)
     };
     if algorithm.on_group_memory() {
-        let posted = on_group(None, usize::MAX, false);
-        let direct = on_group(Some(1), usize::MAX, false);
-        assert!(posted == direct, "{what}: direct reads changed the results");
-        let mapped = on_group(Some(1), usize::MAX, true);
-        assert!(
-            posted == mapped,
-            "{what}: shared buffers changed the results"
-        );
-        for (direct_min, mapped) in [(None, false), (Some(1), false), (Some(1), true)] {
-            let streamed = on_group(direct_min, 1, mapped);
+        let posted = on_group(None, false, usize::MAX, false);
+        // (direct reads from, the kernel's copies pay, shared buffers)
+        let ways = [
+            (Some(1), true, false),
+            (Some(1), true, true),
+            (Some(1), false, false),
+            (Some(1), false, true),
+        ];
+        for (direct_min, kernel, mapped) in ways {
+            let got = on_group(direct_min, kernel, usize::MAX, mapped);
+            assert!(
+                posted == got,
+                "{what}: direct reads changed the results (the kernel's copies pay: {kernel}, shared buffers {mapped})"
+            );
+        }
+        // (The ways where the kernel's copies do not pay read shared buffers
+        // as those where they do, and own buffers through posts.)
+        for (direct_min, kernel, mapped) in [(None, false, false)]
+            .into_iter()
+            .chain(ways[..2].iter().copied())
+        {
+            let streamed = on_group(direct_min, kernel, 1, mapped);
             assert!(
                 posted == streamed,
-                "{what}: streaming stores changed the results (direct reads {direct_min:?}, shared buffers {mapped})"
+                "{what}: streaming stores changed the results (direct reads {direct_min:?}, the kernel's copies pay: {kernel}, shared buffers {mapped})"
             );
         }
         return posted;

@@ -30,7 +30,7 @@ fn on_slots<T: Send>(
     stream_min: usize,
     each: impl Fn(usize, &mem_group::MemGroup) -> T + Sync,
 ) -> Vec<T> {
-    let members = mem_group::group(n, slot_bytes, None, stream_min, false);
+    let members = mem_group::group(n, slot_bytes, None, false, stream_min, false);
     std::thread::scope(|s| {
         let each = &each;
         let running: Vec<_> = members
