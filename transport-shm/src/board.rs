@@ -465,26 +465,31 @@ impl Drop for Board {
 }
 
 impl Board {
-    /// Probes whether this rank can read every peer's memory (unless `cma`
-    /// is [`DirectReads::Never`]) and, where `cma` is [`DirectReads::Timed`],
-    /// whether the kernel's copies are fast enough ([`Self::kernel_copy_is_fast`]);
-    /// tells the others, and returns whether every rank can read and whether
-    /// every rank found the copies fast.
-    fn agree_on_direct_reads(&self, cma: DirectReads, deadline: &Deadline) -> Result<(bool, bool)> {
-        let peers = || (0..self.n).filter(|&p| p != self.rank);
+    /// What this rank tells the others about direct reads: whether it can
+    /// read every peer's memory (unless `cma` is [`DirectReads::Never`])
+    /// and, where `cma` is [`DirectReads::Timed`], whether the kernel's
+    /// copies are fast enough ([`Self::kernel_copy_is_fast`]).
+    fn direct_reads_here(&self, cma: DirectReads) -> u32 {
         let can = cma != DirectReads::Never
-            && peers()
+            && (0..self.n)
+                .filter(|&p| p != self.rank)
                 .all(|p| cma::probe(self.pid(p), self.seg.load(self.control(p) + BASE), MAGIC));
-        let mine = match can {
+        match can {
             false => CANNOT_READ,
             true if cma == DirectReads::Timed && !self.kernel_copy_is_fast() => READS_SLOWLY,
             true => CAN_READ,
-        };
+        }
+    }
+
+    /// Tells the others what this rank found about direct reads (`mine`,
+    /// [`Self::direct_reads_here`]) and returns whether every rank can read
+    /// and whether every rank found the kernel's copies fast.
+    fn agree_on_direct_reads(&self, mine: u32, deadline: &Deadline) -> Result<(bool, bool)> {
         self.word32(self.rank, DIRECT)
             .store(mine, Ordering::Release);
         self.wake_sleepers();
-        let (mut all, mut fast) = (can, mine == CAN_READ);
-        for p in peers() {
+        let (mut all, mut fast) = (mine != CANNOT_READ, mine == CAN_READ);
+        for p in (0..self.n).filter(|&p| p != self.rank) {
             let theirs = || self.word32(p, DIRECT).load(Ordering::Acquire);
             self.wait_for(p, deadline, || theirs() != 0)?;
             all &= theirs() != CANNOT_READ;
@@ -1104,9 +1109,13 @@ pub fn connect_board(
                 .flatten()
         })
         .collect();
+    // Timed first: its copies evict the caches that the heads were just
+    // brought into (a 2-rank allgather of 128 B took 0.28–0.32 µs a call
+    // over 23 calls with the heads mapped first, 0.19–0.22 mapped after).
+    let mine = board.direct_reads_here(cma);
     board.map_heads();
     (board.direct, board.kernel_copies_pay) =
-        board.agree_on_direct_reads(cma, &Deadline::after(left()))?;
+        board.agree_on_direct_reads(mine, &Deadline::after(left()))?;
     Ok(Ok(board))
 }
 
