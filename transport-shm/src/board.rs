@@ -54,12 +54,15 @@
 //! still exists (a pidfd) and the deadline.
 //!
 //! `base` is where the rank mapped the board, and `direct` whether it can
-//! read every peer's memory by cross-memory attach (1) or not (2), which it
-//! learns at set-up by reading each peer's magic word at the peer's `base`.
+//! read every peer's memory by cross-memory attach (1), can but found the
+//! kernel's copies slow (3), or cannot (2), which it learns at set-up by
+//! reading each peer's magic word at the peer's `base` and timing a copy.
 //! Where every rank can, [`GroupMemory::direct_min`] offers the group
 //! algorithms single copies out of and into each other's buffers: through
-//! the kernel, or, for a buffer in a peer's [`crate::SharedBuffer`], with
-//! this rank's own loads and stores in its mapping of that buffer.
+//! the kernel where no rank found its copies slow
+//! ([`GroupMemory::kernel_copies_pay`]), and, for a buffer in a peer's
+//! [`crate::SharedBuffer`], with this rank's own loads and stores in its
+//! mapping of that buffer.
 
 use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
@@ -98,7 +101,7 @@ const PID: usize = 12;
 /// The rank the leaving rank blames for its failure, plus one (0: none).
 const BLAME: usize = 16;
 /// Whether the rank can read every peer's memory: 0 not known yet, then
-/// [`CAN_READ`] or [`CANNOT_READ`].
+/// [`CAN_READ`], [`READS_SLOWLY`] or [`CANNOT_READ`].
 const DIRECT: usize = 20;
 /// Where the rank mapped the board (u64).
 const BASE: usize = 24;
@@ -114,6 +117,8 @@ const READS_SLOWLY: u32 = 3;
 /// Bytes of this rank's slots that board set-up copies out of a peer's
 /// mapping of them through the kernel, and out of its own plainly, to time
 /// the two ([`DirectReads::Timed`]): past the L2 of the hosts measured.
+/// Less above 16 ranks, whose two slots are smaller (1 MiB at 32 ranks,
+/// where the ratio below was as at 2 MiB; 512 KiB at 64, not measured).
 const TIMED_BYTES: usize = 2 << 20;
 /// The most times a plain copy that the kernel's copy may take for the
 /// board to copy memory outside shared buffers through the kernel: a post
@@ -982,8 +987,9 @@ impl LastPost {
 /// Rank 0 creates the segment and offers it through `store`; the others map
 /// it; every rank reports through the store, and once all have, rank 0
 /// unlinks the file. Returns `Ok(Err(reason))`, the same on every rank, when
-/// some rank cannot use the board; `Err` when the store fails. With `cma`,
-/// the ranks then probe whether each can read every other's memory.
+/// some rank cannot use the board; `Err` when the store fails. Unless `cma`
+/// is [`DirectReads::Never`], the ranks then probe whether each can read
+/// every other's memory and (`Timed`) time the kernel's copies.
 #[allow(clippy::too_many_arguments)]
 pub fn connect_board(
     rank: usize,

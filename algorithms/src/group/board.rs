@@ -278,9 +278,10 @@ impl BoardCall<'_> {
         {
             return Ok(());
         }
-        // Calls that would read through posts for the size of their blocks
-        // ask first whether the blocks lie in shared buffers (and a 2-rank
-        // allgather whether the cores are far; see `shared_or_far`).
+        // Calls that would read through posts for the size of their blocks,
+        // or because the kernel's copies do not pay, ask first whether the
+        // blocks lie in shared buffers (and a 2-rank allgather whether the
+        // cores are far; see `shared_or_far`).
         let direct_reads = match self.posts_unless_shared(mem, part, large) {
             Some(probe) => self.shared_or_far(mem, input, output, probe, &deadline)?,
             None => self.reads_directly(mem, part, large).then_some(true),
