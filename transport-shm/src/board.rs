@@ -473,16 +473,18 @@ impl Board {
     /// What this rank tells the others about direct reads: whether it can
     /// read every peer's memory (unless `cma` is [`DirectReads::Never`])
     /// and, where `cma` is [`DirectReads::Timed`], whether the kernel's
-    /// copies are fast enough ([`Self::kernel_copy_is_fast`]).
+    /// copies are fast enough ([`Self::kernel_copy_is_fast`]; never with
+    /// [`DirectReads::Mapped`]).
     fn direct_reads_here(&self, cma: DirectReads) -> u32 {
         let can = cma != DirectReads::Never
             && (0..self.n)
                 .filter(|&p| p != self.rank)
                 .all(|p| cma::probe(self.pid(p), self.seg.load(self.control(p) + BASE), MAGIC));
-        match can {
-            false => CANNOT_READ,
-            true if cma == DirectReads::Timed && !self.kernel_copy_is_fast() => READS_SLOWLY,
-            true => CAN_READ,
+        match (can, cma) {
+            (false, _) => CANNOT_READ,
+            (true, DirectReads::Mapped) => READS_SLOWLY,
+            (true, DirectReads::Timed) if !self.kernel_copy_is_fast() => READS_SLOWLY,
+            (true, _) => CAN_READ,
         }
     }
 
@@ -1291,10 +1293,15 @@ mod tests {
 
     /// Where the ranks time the kernel's copies, they read directly and
     /// agree on whether to copy memory outside shared buffers through the
-    /// kernel, whatever each found; a rank that finds them slow (timing)
-    /// turns them off for a rank that uses them wherever it can.
+    /// kernel, whatever each found; a rank that finds them slow (timing, or
+    /// `mapped`) turns them off for a rank that uses them wherever it can.
     #[test]
     fn ranks_that_time_the_kernels_copies_agree_on_them() {
+        let (zero, one) = pair_with(Spin::default(), [DirectReads::Mapped, DirectReads::Always]);
+        for board in [&zero, &one] {
+            assert!(!board.kernel_copies_pay());
+            assert!(board.direct_min().is_some_and(|min| min > DIRECT_MIN));
+        }
         for cma in [
             [DirectReads::Timed; 2],
             [DirectReads::Timed, DirectReads::Always],

@@ -93,19 +93,23 @@ pub enum DirectReads {
     /// timed that copy as paying (`auto`, the default; see
     /// [`GroupMemory::kernel_copies_pay`]).
     Timed,
+    /// Only out of shared buffers, through their mappings, as where the
+    /// timing finds the kernel's copies slow (`mapped`).
+    Mapped,
     /// Wherever the kernel allows it (`1`).
     Always,
 }
 
 impl DirectReads {
-    /// The value of `CCL_SHM_CMA`: `auto` (or unset), else a flag.
+    /// The value of `CCL_SHM_CMA`: `auto` (or unset), `mapped`, `1` or `0`.
     fn from_config(config: &Config) -> Result<DirectReads> {
         match config.knob("CCL_SHM_CMA").map(str::trim) {
             None | Some("auto") => Ok(DirectReads::Timed),
+            Some("mapped") => Ok(DirectReads::Mapped),
             Some("1") => Ok(DirectReads::Always),
             Some("0") => Ok(DirectReads::Never),
             Some(v) => Err(Error::Config(format!(
-                "CCL_SHM_CMA={v:?}: expected 0, 1 or auto"
+                "CCL_SHM_CMA={v:?}: expected 0, 1, auto or mapped"
             ))),
         }
     }
@@ -400,4 +404,34 @@ fn connect(
         .into_iter()
         .map(|r| r.expect("every peer is lower or higher"))
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `CCL_SHM_CMA` takes `auto` (also unset or empty), `mapped`, `1` and
+    /// `0`; anything else is an error naming it and what it takes.
+    #[test]
+    fn direct_reads_follow_ccl_shm_cma() {
+        let with = |v: Option<&str>| {
+            let vars = v.map(|v| ("CCL_SHM_CMA", v));
+            DirectReads::from_config(&Config::from_vars(vars).unwrap())
+        };
+        for (v, want) in [
+            (None, DirectReads::Timed),
+            (Some(""), DirectReads::Timed),
+            (Some("auto"), DirectReads::Timed),
+            (Some("mapped"), DirectReads::Mapped),
+            (Some("1"), DirectReads::Always),
+            (Some("0"), DirectReads::Never),
+        ] {
+            assert_eq!(with(v).unwrap(), want, "{v:?}");
+        }
+        let e = with(Some("yes")).unwrap_err().to_string();
+        assert!(
+            e.contains("CCL_SHM_CMA=\"yes\"") && e.contains("auto or mapped"),
+            "{e}"
+        );
+    }
 }
