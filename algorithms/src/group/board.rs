@@ -57,7 +57,7 @@ use crate::IoBuffers;
 /// and its readers find it in cache: on a 2-core VM, 4 ranks, allgather of
 /// 64 MiB reached 2.2 GB/s by direct reads against 2.7–3.0 through posts,
 /// and broadcast from 1 MiB 10–30% less.
-const SHARED_DIRECT_MAX: usize = 512 * 1024;
+pub(crate) const SHARED_DIRECT_MAX: usize = 512 * 1024;
 
 /// The largest block of a gather of more than two ranks copied directly
 /// (where it was measured, at 2 ranks before the senders wrote a share of
@@ -68,8 +68,11 @@ const SHARED_DIRECT_MAX: usize = 512 * 1024;
 /// a gather was even with posts from 32 to 256 MiB while the VM's cores
 /// shared a cache, and 4–5 times faster while they did not (32 MiB: 1.5–1.8
 /// ms against 7.4; posts are read from the writer's cache), and a broadcast
-/// was faster direct up to 128 MiB.
-const GATHER_DIRECT_MAX: usize = 8 << 20;
+/// was faster direct up to 128 MiB. Beyond it, blocks in shared buffers are
+/// still read directly (`BoardCall::posts_unless_shared`): 4 ranks' gather
+/// of 128 MiB took 4.7–5.0 ms through the mappings against 6.4–6.7 through
+/// posts.
+pub(crate) const GATHER_DIRECT_MAX: usize = 8 << 20;
 
 /// Round trips of empty posts that time how near two ranks' cores are.
 const PROBE_ROUNDS: usize = 16;
@@ -500,9 +503,9 @@ impl BoardCall<'_> {
     }
 
     /// Where [`Self::reads_directly`] keeps a call that moves blocks to
-    /// posts though they may be read directly: an allgather or broadcast
-    /// for the size of its blocks (above 2 ranks, or an allgather of large
-    /// outputs), and any such call where the kernel's copies do not pay
+    /// posts though they may be read directly: an allgather, broadcast or
+    /// gather for the size of its blocks (above 2 ranks, or an allgather of
+    /// large outputs), and any such call where the kernel's copies do not pay
     /// ([`GroupMemory::kernel_copies_pay`]). Then `Some(probe)`, `probe`
     /// telling whether to probe the cores (a 2-rank allgather whose ranks
     /// have CPUs of their own, where the kernel's copies pay); the same
@@ -512,7 +515,11 @@ impl BoardCall<'_> {
         let pay = mem.kernel_copies_pay();
         let could = mem.direct_min().is_some_and(|min| part >= min)
             && moves(kind)
-            && (!pay || matches!(kind, CollectiveKind::AllGather | CollectiveKind::Broadcast));
+            && (!pay
+                || matches!(
+                    kind,
+                    CollectiveKind::AllGather | CollectiveKind::Broadcast | CollectiveKind::Gather
+                ));
         if !could || self.reads_directly(mem, part, large) {
             return None;
         }

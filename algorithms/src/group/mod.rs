@@ -12,6 +12,9 @@
 
 mod board;
 
+#[cfg(test)]
+pub(crate) use board::{GATHER_DIRECT_MAX, SHARED_DIRECT_MAX};
+
 use std::time::Duration;
 
 use ccl_core::{Call, Deadline, Error, FrameHeader, GroupMemory, Result};

@@ -44,6 +44,9 @@ struct Shared {
     /// Every buffer counts as lying in a shared region, which
     /// [`GroupMemory::read_mapped`] lends.
     mapped: bool,
+    /// Byte ranges that count as lying in a shared region besides
+    /// ([`MemGroup::share`]).
+    shared_ranges: Mutex<Vec<(u64, u64)>>,
     /// `heads[rank][round % HEADS]`.
     heads: Vec<Vec<Head>>,
     /// `payloads[rank][round % 2]`.
@@ -69,6 +72,8 @@ pub(crate) struct MemGroup {
     /// The last round whose payload slot this rank found free.
     payload_free_for: AtomicU64,
     left: AtomicBool,
+    /// Bytes of payload this rank posted.
+    posted_bytes: AtomicU64,
 }
 
 /// Group memory for `n` ranks with `slot_bytes` per slot, offering direct
@@ -99,6 +104,7 @@ pub(crate) fn group(
         kernel_copies,
         stream_min,
         mapped,
+        shared_ranges: Mutex::new(Vec::new()),
         heads: (0..n)
             .map(|_| (0..HEADS).map(|_| head()).collect())
             .collect(),
@@ -114,11 +120,28 @@ pub(crate) fn group(
             rounds: AtomicU64::new(0),
             payload_free_for: AtomicU64::new(0),
             left: AtomicBool::new(false),
+            posted_bytes: AtomicU64::new(0),
         })
         .collect()
 }
 
 impl MemGroup {
+    /// Counts the `len` bytes at `at` as lying in a shared region (for
+    /// every rank), as a buffer from `ccl::SharedBuffer` does.
+    pub(crate) fn share(&self, at: *const u8, len: usize) {
+        let at = at as u64;
+        self.shared
+            .shared_ranges
+            .lock()
+            .unwrap()
+            .push((at, at + len as u64));
+    }
+
+    /// Bytes of payload this rank posted so far.
+    pub(crate) fn posted_bytes(&self) -> u64 {
+        self.posted_bytes.load(Ordering::Relaxed)
+    }
+
     fn head(&self, rank: usize, round: u64) -> &Head {
         &self.shared.heads[rank][(round % HEADS) as usize]
     }
@@ -289,6 +312,7 @@ impl GroupMemory for MemGroup {
             self.payload_free(round, deadline)?;
         }
         self.write(round, len, parts)?;
+        self.posted_bytes.fetch_add(len as u64, Ordering::Relaxed);
         let head = self.head(self.rank, round);
         *head.header.lock().unwrap() = Some(FrameHeader {
             len: len as u64,
@@ -376,8 +400,17 @@ impl GroupMemory for MemGroup {
         false
     }
 
-    fn region(&self, _addr: u64, _len: usize) -> Region {
-        match self.shared.mapped {
+    fn region(&self, addr: u64, len: usize) -> Region {
+        let end = addr + len as u64;
+        let in_range = || {
+            self.shared
+                .shared_ranges
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|&(lo, hi)| lo <= addr && end <= hi)
+        };
+        match self.shared.mapped || in_range() {
             true => Region { id: 1, base: 0 },
             false => Region::default(),
         }
@@ -401,7 +434,7 @@ impl GroupMemory for MemGroup {
         len: usize,
         read: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<bool> {
-        if !self.shared.mapped {
+        if from.region.id == 0 {
             return Ok(false);
         }
         self.offers_direct(rank, from)?;

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use ccl_core::{Call, Collective, CollectiveKind, DataType, Error, HOST_KERNELS};
 
-use super::{mem_group, sum_at, val, GROUP_SLOT_BYTES};
-use crate::{group, Algorithm, IoBuffers};
+use super::{bytes, mem_group, outputs, sum_at, val, RankMemory, GROUP_SLOT_BYTES};
+use crate::{group, Algorithm, IoBuffers, Layout};
 
 /// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
 /// as threads; returns each rank's result.
@@ -202,6 +202,103 @@ fn large_calls_chunk_alike_on_every_rank() {
             let out = out.unwrap_or_else(|e| panic!("{kind} root {root}, rank {rank}: {e}"));
             if kind == CollectiveKind::AllReduce || rank == root {
                 assert_eq!(out, want, "{kind} root {root}, rank {rank}");
+            }
+        }
+    }
+}
+
+/// Which buffers of a call count as lying in shared regions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Sharing {
+    Nothing,
+    Inputs,
+    Everything,
+}
+
+/// Moving calls whose blocks are too large to read straight out of own
+/// buffers (a gather of more than two ranks beyond `GATHER_DIRECT_MAX`, an
+/// allgather or broadcast beyond `SHARED_DIRECT_MAX`) read them straight
+/// out of shared buffers, whether the kernel's copies pay or not: the
+/// ranks then post little more than addresses. Where only the inputs are
+/// shared and the kernel's copies do not pay, no rank writes a share into
+/// another's output (the memory refuses such writes).
+#[test]
+fn shared_blocks_beyond_the_direct_limits_are_read_directly() {
+    let n = 3;
+    // Slots as large as the board's chunks, so that posts take few rounds.
+    let slot_bytes = 256 << 10;
+    for (kind, part) in [
+        (CollectiveKind::Gather, group::GATHER_DIRECT_MAX + 64),
+        (CollectiveKind::AllGather, group::SHARED_DIRECT_MAX + 64),
+        (CollectiveKind::Broadcast, group::SHARED_DIRECT_MAX + 64),
+    ] {
+        let coll = Collective::new(kind, DataType::U64, part / 8).with_root(1);
+        let inputs: Vec<Vec<u8>> = (0..n)
+            .map(|r| {
+                let elems = coll.buffer_elems(r, n).0;
+                bytes(&(0..elems).map(|i| val(r, i)).collect::<Vec<_>>())
+            })
+            .collect();
+        // Each rank's output and the bytes it posted.
+        let run = |direct_min: Option<usize>, kernel: bool, sharing: Sharing| {
+            let mut memory: Vec<RankMemory> = (0..n)
+                .map(|r| RankMemory::new(&coll, r, n, Layout::OutOfPlace, &inputs[r]))
+                .collect();
+            let members = mem_group::group(n, slot_bytes, direct_min, kernel, usize::MAX, false);
+            for m in memory.iter_mut() {
+                let base = m.mem.as_mut_slice().as_mut_ptr();
+                let mut shared = vec![m.input];
+                if sharing == Sharing::Everything {
+                    shared.push(m.output);
+                }
+                for (at, len) in shared.into_iter().filter(|_| sharing != Sharing::Nothing) {
+                    // SAFETY: the range lies inside the rank's memory.
+                    members[0].share(unsafe { base.add(at) }, len);
+                }
+            }
+            let what = format!("{kind} of {part}-byte blocks, {sharing:?} shared, the kernel's copies pay: {kernel}");
+            let results = std::thread::scope(|s| {
+                let running: Vec<_> = members
+                    .iter()
+                    .zip(memory.iter_mut())
+                    .enumerate()
+                    .map(|(rank, (m, mem))| {
+                        let call = Call {
+                            comm: 3,
+                            seq: 1,
+                            rank,
+                            world_size: n,
+                            coll,
+                        };
+                        s.spawn(move || {
+                            group::run(
+                                Algorithm::Board,
+                                m,
+                                &call,
+                                &mem.io(),
+                                Duration::from_secs(60),
+                            )
+                        })
+                    })
+                    .collect();
+                running.into_iter().map(|t| t.join().unwrap()).collect()
+            });
+            let posted: Vec<u64> = members.iter().map(|m| m.posted_bytes()).collect();
+            (outputs(&what, results, &memory), posted, what)
+        };
+        let (expected, through_posts, _) = run(None, false, Sharing::Nothing);
+        assert!(
+            through_posts.iter().any(|&b| b >= part as u64),
+            "{kind}: posts of {through_posts:?} bytes"
+        );
+        for kernel in [true, false] {
+            for sharing in [Sharing::Inputs, Sharing::Everything] {
+                let (got, posted, what) = run(Some(16 << 10), kernel, sharing);
+                assert!(got == expected, "{what}: wrong results");
+                assert!(
+                    posted.iter().all(|&b| b < 1024),
+                    "{what}: posted {posted:?} bytes"
+                );
             }
         }
     }
