@@ -137,7 +137,9 @@ pub struct TcpBound {
     pub buffer_bytes: u64,
     pub before: TcpRate,
     pub after: TcpRate,
-    /// The fastest pattern of before and after (GB/s, all streams together).
+    /// The rate of before and after that bounds the collective (GB/s, all
+    /// streams together): the faster pattern's, or one stream's where the
+    /// bytes go one way (`tcpbw::rate_for`).
     pub best_gbps: f64,
     /// The busbw the collective would reach moving only its bytes at `best_gbps`.
     pub bound_busbw_gbps: Option<f64>,
@@ -160,7 +162,7 @@ pub struct PeersReport {
 
 const BOUND_DEFINITION: &str = "copy: the faster of dst.copy_from_slice(src) and a copy with streaming stores, a += b: f32, on one thread per rank placed as the ranks, each on its own buffers; GB/s of destination bytes, all threads together. Bound: the busbw if the collective did only its unavoidable memory work at those rates, every rank reading its peers' buffers directly (for S bytes: allreduce adds (n-1)S and copies (n-1)S; reduce-scatter adds (n-1)S; allgather and alltoall copy (n-1)S; broadcast copies (n-1)S)";
 
-const TCP_BOUND_DEFINITION: &str = "tcp: plain TCP streams over loopback between threads placed as the ranks, unpaced, moving buffers of the memory bound's size, in two patterns: a ring (rank i sends to rank i+1, receives from rank i-1, all at once) and one stream alone (rank 0 to rank 1); GB/s received by all streams together, the faster pattern counts. Bound: the busbw if the collective only moved the bytes it must between ranks at that rate (for S bytes: allreduce 2(n-1)S; reduce-scatter, allgather, alltoall, broadcast and reduce (n-1)S)";
+const TCP_BOUND_DEFINITION: &str = "tcp: plain TCP streams over loopback between threads placed as the ranks, unpaced, moving buffers of the memory bound's size, in two patterns: a ring (rank i sends to rank i+1, receives from rank i-1, all at once) and one stream alone (rank 0 to rank 1); GB/s received by all streams together, the faster pattern counts (one stream's for a broadcast or reduce of 2 ranks, whose bytes go one way). Bound: the busbw if the collective only moved the bytes it must between ranks at that rate (for S bytes: allreduce 2(n-1)S; reduce-scatter, allgather, alltoall, broadcast and reduce (n-1)S)";
 
 fn usage(msg: &str) -> i32 {
     eprintln!("ccl-bench: compare: {msg}");
@@ -397,22 +399,27 @@ fn tcp_bound(
     after: TcpRate,
     rows: &mut [SizeRow],
 ) -> TcpBound {
-    let best_gbps = before.best_gbps().max(after.best_gbps());
+    let best = TcpRate {
+        ring_gbps: before.ring_gbps.max(after.ring_gbps),
+        one_gbps: before.one_gbps.max(after.one_gbps),
+        congestion: after.congestion.clone(),
+    };
+    let best_gbps = tcpbw::rate_for(coll, n, &best);
     let bound = tcpbw::bound_busbw(coll, n, best_gbps);
     for r in rows.iter_mut() {
         r.ccl_of_tcp_bound = bound.map(|b| ratio(r.ccl.busbw_gbps, b));
         r.best_peer_of_tcp_bound = bound.map(|b| ratio(r.best_peer_busbw_gbps, b));
     }
     println!(
-        "# TCP (after): a ring {:.2} GB/s, one stream {:.2} GB/s; best {best_gbps:.2}",
+        "# TCP (after): a ring {:.2} GB/s, one stream {:.2} GB/s; the bound's rate {best_gbps:.2}",
         after.ring_gbps, after.one_gbps
     );
     match bound {
         Some(b) => {
             println!(
-                "# TCP bound of {} at {n} ranks: busbw {b:.3} GB/s = {} with the best rate (bench/README.md)",
+                "# TCP bound of {} at {n} ranks: busbw {b:.3} GB/s = {} (bench/README.md)",
                 coll.name(),
-                tcpbw::bound_formula(coll),
+                tcpbw::bound_formula(coll, n),
             );
             println!(
                 "# busbw / TCP bound, size by size: ccl {}; best peer {}",
@@ -429,7 +436,7 @@ fn tcp_bound(
         after,
         best_gbps,
         bound_busbw_gbps: bound,
-        formula: tcpbw::bound_formula(coll).into(),
+        formula: tcpbw::bound_formula(coll, n).into(),
         definition: TCP_BOUND_DEFINITION.into(),
     }
 }

@@ -212,12 +212,30 @@ pub fn measure(n: usize, cpus: &[usize], bytes: usize) -> Result<TcpRate, String
     })
 }
 
+/// Whether `coll` on `n` ranks moves its bytes one way over one stream (a
+/// broadcast or reduce of 2 ranks), which only the one-stream pattern
+/// bounds: the ring's rate counts a second stream that would carry nothing.
+fn one_way(coll: Coll, n: usize) -> bool {
+    n == 2 && matches!(coll, Coll::Broadcast | Coll::Reduce)
+}
+
+/// The aggregate rate (1e9 bytes per second) that bounds `coll` on `n`
+/// ranks: one stream's for a call that moves its bytes one way between 2
+/// ranks, else the faster pattern's.
+pub fn rate_for(coll: Coll, n: usize, rate: &TcpRate) -> f64 {
+    match one_way(coll, n) {
+        true => rate.one_gbps,
+        false => rate.best_gbps(),
+    }
+}
+
 /// The busbw (GB/s, nccl-tests' factors) that `coll` on `n` ranks would
 /// reach moving only the bytes it must between ranks at the aggregate TCP
-/// rate `rate`: for a buffer of S bytes, allreduce sends 2(n-1)S in all,
-/// reduce-scatter, allgather, alltoall and broadcast (n-1)S, reduce (n-1)S,
-/// sendrecv nS. `None` for gather and scatter (all bytes go through one
-/// root, which an aggregate rate does not bound), barrier and a single rank.
+/// rate `rate` ([`rate_for`]): for a buffer of S bytes, allreduce sends
+/// 2(n-1)S in all, reduce-scatter, allgather, alltoall and broadcast
+/// (n-1)S, reduce (n-1)S, sendrecv nS. `None` for gather and scatter (all
+/// bytes go through one root, which an aggregate rate does not bound),
+/// barrier and a single rank.
 pub fn bound_busbw(coll: Coll, n: usize, rate: f64) -> Option<f64> {
     if n < 2 || rate <= 0.0 {
         return None;
@@ -234,9 +252,11 @@ pub fn bound_busbw(coll: Coll, n: usize, rate: f64) -> Option<f64> {
     }
 }
 
-/// The formula [`bound_busbw`] uses, in words, for the table's header.
-pub fn bound_formula(coll: Coll) -> &'static str {
+/// The formula [`bound_busbw`] uses with [`rate_for`]'s rate, in words, for
+/// the table's header.
+pub fn bound_formula(coll: Coll, n: usize) -> &'static str {
     match coll {
+        _ if one_way(coll, n) => "one stream's tcp / (n-1)",
         Coll::Allreduce
         | Coll::ReduceScatter
         | Coll::Allgather
@@ -259,6 +279,24 @@ mod tests {
         assert!((bound_busbw(Coll::Broadcast, 3, 8.0).unwrap() - 4.0).abs() < 1e-9);
         assert_eq!(bound_busbw(Coll::Gather, 4, 8.0), None);
         assert_eq!(bound_busbw(Coll::Allreduce, 1, 8.0), None);
+    }
+
+    #[test]
+    fn a_one_way_call_of_two_ranks_is_bound_by_one_stream() {
+        let rate = TcpRate {
+            ring_gbps: 9.0,
+            one_gbps: 7.0,
+            congestion: "cubic".into(),
+        };
+        assert_eq!(rate_for(Coll::Broadcast, 2, &rate), 7.0);
+        assert_eq!(rate_for(Coll::Reduce, 2, &rate), 7.0);
+        assert_eq!(rate_for(Coll::Broadcast, 3, &rate), 9.0);
+        assert_eq!(rate_for(Coll::Allgather, 2, &rate), 9.0);
+        assert_eq!(
+            bound_formula(Coll::Broadcast, 2),
+            "one stream's tcp / (n-1)"
+        );
+        assert_eq!(bound_formula(Coll::Broadcast, 4), "tcp / (n-1)");
     }
 
     #[test]
