@@ -157,20 +157,7 @@ fn run_on(
             .map(|r| RankMemory::new(&coll, r, n, layout, &inputs[r]))
             .collect();
         let members = mem_group::group(n, GROUP_SLOT_BYTES, direct_min, kernel, stream_min, mapped);
-        let results = std::thread::scope(|s| {
-            let running: Vec<_> = members
-                .iter()
-                .zip(memory.iter_mut())
-                .enumerate()
-                .map(|(rank, (member, mem))| {
-                    s.spawn(move || group::run(algorithm, member, &call(rank), &mem.io(), limit))
-                })
-                .collect();
-            running
-                .into_iter()
-                .map(|t| t.join().unwrap())
-                .collect::<Vec<Result<()>>>()
-        });
+        let results = run_members(algorithm, &members, &mut memory, &call, limit);
         outputs(&what, results, &memory)
     };
     if algorithm.on_group_memory() {
@@ -224,6 +211,29 @@ fn run_on(
         .block_on(async { tokio::time::timeout(limit, all).await })
         .unwrap_or_else(|_| panic!("{what} hangs"));
     outputs(&what, results, &memory)
+}
+
+/// Runs `call(rank)` with the group algorithm `algorithm` on every rank's
+/// handle of `members`, on the rank's `memory`, as threads, within `limit`;
+/// each rank's result.
+fn run_members(
+    algorithm: Algorithm,
+    members: &[mem_group::MemGroup],
+    memory: &mut [RankMemory],
+    call: &(dyn Fn(usize) -> Call + Sync),
+    limit: Duration,
+) -> Vec<Result<()>> {
+    std::thread::scope(|s| {
+        let running: Vec<_> = members
+            .iter()
+            .zip(memory.iter_mut())
+            .enumerate()
+            .map(|(rank, (member, mem))| {
+                s.spawn(move || group::run(algorithm, member, &call(rank), &mem.io(), limit))
+            })
+            .collect();
+        running.into_iter().map(|t| t.join().unwrap()).collect()
+    })
 }
 
 /// Each rank's output, once every rank succeeded (else a panic naming the

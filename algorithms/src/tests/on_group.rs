@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use ccl_core::{Call, Collective, CollectiveKind, DataType, Error, HOST_KERNELS};
 
-use super::{bytes, mem_group, outputs, sum_at, val, RankMemory, GROUP_SLOT_BYTES};
+use super::{bytes, mem_group, outputs, run_members, sum_at, val, RankMemory, GROUP_SLOT_BYTES};
 use crate::{group, Algorithm, IoBuffers, Layout};
 
 /// Runs `each(rank, member)` on every rank of group memory for `n` ranks,
@@ -257,32 +257,15 @@ fn shared_blocks_beyond_the_direct_limits_are_read_directly() {
                 }
             }
             let what = format!("{kind} of {part}-byte blocks, {sharing:?} shared, the kernel's copies pay: {kernel}");
-            let results = std::thread::scope(|s| {
-                let running: Vec<_> = members
-                    .iter()
-                    .zip(memory.iter_mut())
-                    .enumerate()
-                    .map(|(rank, (m, mem))| {
-                        let call = Call {
-                            comm: 3,
-                            seq: 1,
-                            rank,
-                            world_size: n,
-                            coll,
-                        };
-                        s.spawn(move || {
-                            group::run(
-                                Algorithm::Board,
-                                m,
-                                &call,
-                                &mem.io(),
-                                Duration::from_secs(60),
-                            )
-                        })
-                    })
-                    .collect();
-                running.into_iter().map(|t| t.join().unwrap()).collect()
-            });
+            let call = |rank: usize| Call {
+                comm: 3,
+                seq: 1,
+                rank,
+                world_size: n,
+                coll,
+            };
+            let limit = Duration::from_secs(60);
+            let results = run_members(Algorithm::Board, &members, &mut memory, &call, limit);
             let posted: Vec<u64> = members.iter().map(|m| m.posted_bytes()).collect();
             (outputs(&what, results, &memory), posted, what)
         };
