@@ -70,7 +70,7 @@ pub(crate) const SHARED_DIRECT_MAX: usize = 512 * 1024;
 /// ms against 7.4; posts are read from the writer's cache), and a broadcast
 /// was faster direct up to 128 MiB. Beyond it, blocks in shared buffers are
 /// still read directly (`BoardCall::posts_unless_shared`): 4 ranks' gather
-/// of 128 MiB took 4.7–5.0 ms through the mappings against 6.4–6.7 through
+/// of 128 MiB took 4.7–5.0 ms through the mappings against 6.3–6.7 through
 /// posts.
 pub(crate) const GATHER_DIRECT_MAX: usize = 8 << 20;
 
