@@ -119,7 +119,7 @@ impl Congestion {
     /// (as far as the kernel allows it).
     pub fn within_host(&self) -> String {
         match self {
-            Congestion::Auto => socket::within_host_choice().to_string(),
+            Congestion::Auto => socket::within_host_choice(),
             Congestion::System => socket::system_default(),
             Congestion::Named(name) => name.clone(),
         }

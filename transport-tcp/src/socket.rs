@@ -174,13 +174,15 @@ pub(crate) fn system_default() -> String {
 }
 
 /// What [`Congestion::Auto`] gives sockets within the host here: the first
-/// of [`WITHIN_HOST`] the kernel allows.
-pub(crate) fn within_host_choice() -> &'static str {
-    let allowed = allowed_congestion();
+/// of [`WITHIN_HOST`] the kernel lets this process set (a privileged process
+/// may set any the kernel has, not only those of
+/// `net.ipv4.tcp_allowed_congestion_control`), else the system's default,
+/// which such sockets then keep.
+pub(crate) fn within_host_choice() -> String {
     WITHIN_HOST
         .into_iter()
-        .find(|n| allowed.split_whitespace().any(|a| a == *n))
-        .unwrap_or(WITHIN_HOST[WITHIN_HOST.len() - 1])
+        .find(|n| check_congestion(n).is_ok())
+        .map_or_else(system_default, str::to_string)
 }
 
 /// Whether the kernel lets this process set congestion control `name` (on a
@@ -282,7 +284,7 @@ mod tests {
 
     #[test]
     fn sockets_within_the_host_avoid_the_systems_pacing_default() {
-        let want = within_host_choice().to_string();
+        let want = within_host_choice();
         let both = (want.clone(), want);
         assert_eq!(pair(Ipv4Addr::LOCALHOST.into(), &Congestion::Auto), both);
         // Over the host's own address too (where it has one besides loopback).
