@@ -30,6 +30,7 @@ use ccl_core::{
     Scratch,
 };
 use futures::future::{select, Either};
+use smallvec::SmallVec;
 
 /// How long sends already writing may go on after another op failed.
 pub const SEND_DRAIN: Duration = Duration::from_secs(1);
@@ -91,12 +92,18 @@ impl Memory {
     }
 }
 
+/// Ops of a schedule whose done flags live in the execution itself; a
+/// larger schedule's go to the heap. On the root of a 2-rank 8 B broadcast
+/// over TCP their allocation and free took about 245 of some 4,300
+/// instructions a call (callgrind).
+const INLINE_OPS: usize = 64;
+
 struct Exec<'a> {
     schedule: &'a Schedule,
     links: &'a [Option<Arc<dyn Link>>],
     call: &'a Call,
     mem: Memory,
-    done: Vec<AtomicBool>,
+    done: SmallVec<[AtomicBool; INLINE_OPS]>,
     /// Ops finished or failed so far: a pass over the lanes that changes it
     /// is followed by another.
     progress: AtomicU64,
