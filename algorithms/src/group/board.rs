@@ -103,6 +103,10 @@ fn moves(kind: CollectiveKind) -> bool {
 /// (medians of 3–6 alternating runs).
 const CHUNK_MAX: usize = 256 * 1024;
 
+/// The largest allreduce run as [`BoardCall::small_allreduce`] (where it
+/// fits a slot, and is not streamed): one chunk, below mapped reductions.
+const SMALL_ALLREDUCE_MAX: usize = 2048;
+
 /// The parts of one post, each at its offset in the payload: on the stack
 /// up to 8 (a call of up to 9 ranks posts without an allocation).
 type Parts<'a> = smallvec::SmallVec<[(usize, &'a [u8]); 8]>;
@@ -238,6 +242,13 @@ impl BoardCall<'_> {
                 )))
             }
         };
+        if coll.kind == CollectiveKind::AllReduce
+            && !direct
+            && part <= SMALL_ALLREDUCE_MAX.min(mem.slot_bytes())
+            && !streams(mem, part)
+        {
+            return self.small_allreduce(mem, input, output, part, timeout);
+        }
         let in_place = std::ptr::eq(input.0, output.0);
         let several = inputs.one().is_none();
         // SAFETY (for every slice below): the engine hands this call its
@@ -471,6 +482,36 @@ impl BoardCall<'_> {
                 return Ok(());
             }
         }
+    }
+
+    /// A small allreduce (of at most [`SMALL_ALLREDUCE_MAX`] bytes and a
+    /// slot, not streamed, one buffer each): one round, as [`Self::chunks`]
+    /// runs it, without the choices that come out the same for every such
+    /// call (one chunk, no mapped reduction). On its latency the whole
+    /// call path counts: on a 2-vCPU AMD EPYC VM, 2 ranks' 8 B allreduce
+    /// took a median of 0.19 µs against 0.205 through `chunks`.
+    fn small_allreduce(
+        &self,
+        mem: &dyn GroupMemory,
+        input: (*mut u8, usize),
+        output: (*mut u8, usize),
+        len: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let n = self.call.world_size;
+        let deadline = Deadline::after(timeout);
+        let round = Round::begin(mem, self.call.header(0, 0), &deadline)?;
+        // SAFETY: as in `chunks`; the input is posted in full before the
+        // output, which may be the same memory, is written.
+        round.post(unsafe { slice(input.0, len) })?;
+        // Every post's header is checked before the output is written,
+        // which the reduction of two posts does by itself.
+        if n > 2 {
+            for r in 0..n {
+                round.read(r, len)?;
+            }
+        }
+        self.reduce_all(&round, n, unsafe { slice_mut(output.0, len) }, None)
     }
 
     /// Whether the call copies its blocks straight out of the other ranks'
