@@ -23,7 +23,7 @@ use crate::{
     c2c,
     coll::Coll,
     membw::{self, MemBw},
-    peers::{self, Link, Peer, PeerKind, PeerRow, PeerTools},
+    peers::{self, JobError, Link, Peer, PeerKind, PeerRow, PeerTools},
     plot::{self, Series},
     report::{self, Row, Versions},
     size::format_size,
@@ -42,6 +42,41 @@ pub struct PeerResult {
     /// job, in run order ([`crate::c2c`]); `None` where it could not be.
     #[serde(default)]
     pub round_core_to_core_ns: Vec<Option<f64>>,
+    /// Jobs of this peer at this size that hung, were killed at the limit and
+    /// started again ([`PEER_HANG_RETRIES`]); their rounds are the reruns'.
+    #[serde(default)]
+    pub hung_jobs: usize,
+}
+
+/// How often one round's job of a peer that hung (killed at its limit) is
+/// started again before the comparison fails: MPICH's 2-rank jobs over TCP
+/// hang now and then. ccl's own jobs are never retried: a hang of ccl fails
+/// the run.
+pub const PEER_HANG_RETRIES: usize = 2;
+
+/// Runs `job` until it gives a result, starting it again after a hang at
+/// most `retries` times (`note` hears each hang's message and the attempt
+/// that follows); returns the result and the number of hangs. Any other
+/// failure, or a hang beyond the retries, is the error.
+fn retry_hangs<T>(
+    retries: usize,
+    mut job: impl FnMut() -> Result<T, JobError>,
+    mut note: impl FnMut(&str, usize),
+) -> Result<(T, usize), String> {
+    let mut hangs = 0;
+    loop {
+        match job() {
+            Ok(t) => return Ok((t, hangs)),
+            Err(JobError::TimedOut(m)) if hangs < retries => {
+                hangs += 1;
+                note(&m, hangs);
+            }
+            Err(JobError::TimedOut(m)) => {
+                return Err(format!("{m} ({} times in a row)", hangs + 1))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// One size of the comparison.
@@ -587,6 +622,7 @@ pub fn main(a: PeersArgs) -> i32 {
         let mut peer_rounds: Vec<Vec<PeerRow>> = vec![Vec::new(); peers.len()];
         let mut ccl_probes = Vec::with_capacity(a.rounds);
         let mut peer_probes: Vec<Vec<Option<f64>>> = vec![Vec::new(); peers.len()];
+        let mut peer_hangs = vec![0usize; peers.len()];
         for round in 0..a.rounds {
             for k in 0..entries {
                 let e = (k + round) % entries;
@@ -596,9 +632,23 @@ pub fn main(a: PeersArgs) -> i32 {
                     peers::run_ccl(&plan, n, link.name(), bytes, limit).map(|r| ccl_rounds.push(r))
                 } else {
                     peer_probes[e - 1].push(ns);
-                    peers[e - 1]
-                        .run(&plan, n, bytes, limit)
-                        .map(|r| peer_rounds[e - 1].push(r))
+                    let peer = &mut peers[e - 1];
+                    let name = peer.kind.name();
+                    retry_hangs(
+                        PEER_HANG_RETRIES,
+                        || peer.run(&plan, n, bytes, limit),
+                        |m, k| {
+                            println!(
+                                "# {name}, {}, round {}: {m}; started again ({k} of {PEER_HANG_RETRIES})",
+                                format_size(bytes),
+                                round + 1
+                            )
+                        },
+                    )
+                    .map(|(r, hangs)| {
+                        peer_rounds[e - 1].push(r);
+                        peer_hangs[e - 1] += hangs;
+                    })
                 };
                 if let Err(m) = r {
                     return fail(&m);
@@ -614,7 +664,12 @@ pub fn main(a: PeersArgs) -> i32 {
                 .chain(peer_probes.iter().flatten())
                 .copied(),
         );
-        for ((p, mut rounds), probes) in peers.iter().zip(peer_rounds).zip(peer_probes) {
+        for (((p, mut rounds), probes), hung_jobs) in peers
+            .iter()
+            .zip(peer_rounds)
+            .zip(peer_probes)
+            .zip(peer_hangs)
+        {
             let times: Vec<f64> = rounds.iter().map(|r| r.time_us).collect();
             let row = rounds.swap_remove(median_index(&times));
             if row.size_bytes != ccl.size_bytes && coll != Coll::Barrier {
@@ -630,6 +685,7 @@ pub fn main(a: PeersArgs) -> i32 {
                 row,
                 round_times_us: times,
                 round_core_to_core_ns: probes,
+                hung_jobs,
             });
         }
         // The fastest peer (= the highest busbw, every peer moving the same size).
@@ -795,5 +851,44 @@ mod tests {
         for k in ["ccl us", "openmpi GB/s", "gloo us", "ccl/best"] {
             assert!(h.contains(k), "{h}");
         }
+    }
+
+    /// A job that hangs `hangs` times, then gives `7`.
+    fn hanging(hangs: usize) -> impl FnMut() -> Result<u32, JobError> {
+        let mut calls = 0;
+        move || {
+            calls += 1;
+            match calls <= hangs {
+                true => Err(JobError::TimedOut(format!("hang {calls}"))),
+                false => Ok(7),
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_job_that_hangs_is_started_again_up_to_the_retries() {
+        let mut notes = Vec::new();
+        let r = retry_hangs(2, hanging(2), |m, k| notes.push(format!("{m}/{k}")));
+        assert_eq!(r.unwrap(), (7, 2));
+        assert_eq!(notes, ["hang 1/1", "hang 2/2"]);
+
+        let r = retry_hangs(2, hanging(3), |_, _| {});
+        assert_eq!(r.unwrap_err(), "hang 3 (3 times in a row)");
+        assert_eq!(retry_hangs(0, hanging(0), |_, _| {}).unwrap(), (7, 0));
+    }
+
+    #[test]
+    fn a_peer_job_that_fails_is_not_started_again() {
+        let mut calls = 0;
+        let r: Result<(u32, usize), String> = retry_hangs(
+            2,
+            || {
+                calls += 1;
+                Err(JobError::Failed("exit 1".into()))
+            },
+            |_, _| panic!("no hang to note"),
+        );
+        assert_eq!(r.unwrap_err(), "exit 1");
+        assert_eq!(calls, 1);
     }
 }

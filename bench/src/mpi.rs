@@ -139,7 +139,9 @@ impl Runner<'_> {
             .arg(&self.bin)
             .args(peers::bench_args(self.plan, bytes));
         let variant = if tcp { "OpenMPI tcp" } else { "OpenMPI shm" };
-        peers::run_bench(variant, vec![cmd], bytes, self.limit).map(|(row, _)| row)
+        peers::run_bench(variant, vec![cmd], bytes, self.limit)
+            .map(|(row, _)| row)
+            .map_err(String::from)
     }
 }
 

@@ -49,6 +49,30 @@ pub struct PeerRow {
     pub busbw_gbps: f64,
 }
 
+/// Why a job gave no result.
+#[derive(Debug)]
+pub enum JobError {
+    /// It was still running at its limit and was killed.
+    TimedOut(String),
+    /// Anything else: it could not start or be waited for, it failed, or it
+    /// printed no result.
+    Failed(String),
+}
+
+impl From<String> for JobError {
+    fn from(message: String) -> Self {
+        JobError::Failed(message)
+    }
+}
+
+impl From<JobError> for String {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::TimedOut(m) | JobError::Failed(m) => m,
+        }
+    }
+}
+
 /// Runs every command of a job at once to completion (at most `limit`):
 /// returns whether all succeeded, the first one's stdout, and every one's
 /// stderr. The first failure stops the others (killed), as ccl-bench's own
@@ -56,7 +80,7 @@ pub struct PeerRow {
 pub fn run_group(
     mut cmds: Vec<Command>,
     limit: Duration,
-) -> Result<(bool, String, String), String> {
+) -> Result<(bool, String, String), JobError> {
     let what = cmds
         .first()
         .map_or_else(String::new, |c| format!("{:?}", c.get_program()));
@@ -81,7 +105,7 @@ pub fn run_group(
             Ok(c) => c,
             Err(e) => {
                 kill_all(&mut children);
-                return Err(format!("cannot run {:?}: {e}", cmd.get_program()));
+                return Err(format!("cannot run {:?}: {e}", cmd.get_program()).into());
             }
         };
         let pipes: Vec<Box<dyn Read + Send>> = [
@@ -126,7 +150,7 @@ pub fn run_group(
                 Ok(None) => {}
                 Err(e) => {
                     kill_all(&mut children);
-                    return Err(format!("cannot wait for {what}: {e}"));
+                    return Err(format!("cannot wait for {what}: {e}").into());
                 }
             }
         }
@@ -139,10 +163,10 @@ pub fn run_group(
         }
         if Instant::now() >= deadline {
             kill_all(&mut children);
-            return Err(format!(
+            return Err(JobError::TimedOut(format!(
                 "{what} did not finish within {:.0} s; killed it",
                 limit.as_secs_f64()
-            ));
+            )));
         }
         std::thread::sleep(Duration::from_millis(5));
     };
@@ -159,7 +183,7 @@ pub fn run_group(
 }
 
 /// Runs `cmd` to completion (at most `limit`), returning (success, stdout, stderr).
-pub fn run_captured(cmd: Command, limit: Duration) -> Result<(bool, String, String), String> {
+pub fn run_captured(cmd: Command, limit: Duration) -> Result<(bool, String, String), JobError> {
     run_group(vec![cmd], limit)
 }
 
@@ -324,7 +348,7 @@ pub fn run_bench(
     cmds: Vec<Command>,
     bytes: u64,
     limit: Duration,
-) -> Result<(PeerRow, Option<String>), String> {
+) -> Result<(PeerRow, Option<String>), JobError> {
     let (ok, out, err) = run_group(cmds, limit)?;
     if !ok {
         let why = if err.trim().is_empty() { &out } else { &err };
@@ -332,7 +356,8 @@ pub fn run_bench(
             "the {who} run of {} failed: {}",
             format_size(bytes),
             tail(why, 6)
-        ));
+        )
+        .into());
     }
     let row = parse_row(&out).ok_or_else(|| {
         format!(
@@ -830,7 +855,7 @@ impl Peer {
         n: usize,
         bytes: u64,
         limit: Duration,
-    ) -> Result<PeerRow, String> {
+    ) -> Result<PeerRow, JobError> {
         let (cmds, scratch) = self.commands(n, plan.bind, &bench_args(plan, bytes))?;
         let result = run_bench(self.kind.name(), cmds, bytes, limit);
         if let Some(f) = scratch {
@@ -855,6 +880,27 @@ impl Peer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_past_its_limit_is_killed_and_told_apart() {
+        let started = Instant::now();
+        let mut sleep = Command::new("sleep");
+        sleep.arg("30");
+        match run_group(
+            vec![sleep, Command::new("true")],
+            Duration::from_millis(200),
+        ) {
+            Err(JobError::TimedOut(m)) => assert!(m.contains("did not finish"), "{m}"),
+            other => panic!("expected a time-out, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let (ok, _, _) = run_group(vec![Command::new("false")], Duration::from_secs(10)).unwrap();
+        assert!(!ok);
+        match run_captured(Command::new("/nonexistent/peer"), Duration::from_secs(1)) {
+            Err(JobError::Failed(m)) => assert!(m.contains("cannot run"), "{m}"),
+            other => panic!("expected a failure to start, got {other:?}"),
+        }
+    }
 
     #[test]
     fn parses_a_peer_table() {
