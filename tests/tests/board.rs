@@ -272,3 +272,15 @@ fn every_collective_through_the_board_in_chunks() {
     }
     every_collective_through(3, "board,reduce=board-direct", vec![1, 40_000]);
 }
+
+#[test]
+fn every_collective_through_the_board_in_chunks_that_fill_the_slot() {
+    // Calls that move blocks fill the 1 MiB slot from 2 MiB where the ranks
+    // have CPUs of their own (2 ranks on this machine's 2 CPUs), from 8 MiB
+    // where they share them: 300,001 i64 are 2.4 MB a block (at 4 ranks
+    // 9.6 MB of all-to-all, scatter, gather and allgather), not a multiple
+    // of the chunk.
+    for n in [2usize, 4] {
+        every_collective_through(n, "board", vec![300_001]);
+    }
+}

@@ -95,13 +95,33 @@ fn moves(kind: CollectiveKind) -> bool {
 }
 
 /// The largest chunk of a board call, except board-direct's where the
-/// outputs reach [`GroupMemory::stream_min`] (those fill the slot: fewer
-/// rounds, each two waits on every rank). A chunk is posted and read back
-/// on the other ranks while it stays in the caches. On a 2-core VM, 1 MiB
-/// chunks instead made the broadcast of 8 and 64 MiB 3–14% slower at 2 and
-/// 4 ranks, and board-direct's allreduce of 2 MiB at 4 ranks 11% slower
-/// (medians of 3–6 alternating runs).
+/// outputs reach [`GroupMemory::stream_min`] and calls that move blocks of
+/// at least [`SLOT_CHUNKS_MIN`] (those fill the slot). A chunk is posted and
+/// read back on the other ranks while it stays in the caches. On a 2-core
+/// VM, 1 MiB chunks instead made the broadcast of 8 and 64 MiB 3–14% slower
+/// at 2 and 4 ranks, and board-direct's allreduce of 2 MiB at 4 ranks 11%
+/// slower (medians of 3–6 alternating runs).
 const CHUNK_MAX: usize = 256 * 1024;
+
+/// The smallest call (the larger of the root's input and output) of a
+/// collective that moves blocks whose chunks fill the slot, where the
+/// ranks have CPUs of their own; [`SLOT_CHUNKS_MIN_SHARING_CPUS`] where
+/// they share them. On a 2-vCPU AMD EPYC VM (2 MiB of L2 per core) a chunk
+/// read by the other core while it lies in the writer's L2 crossed at 8–10
+/// GB/s, one of 1 MiB (pushed out to the L3 by the next) at 26–40: medians
+/// of 4 alternating runs of 2, 8 and 32 MiB, 256 KiB chunks against 1 MiB,
+/// 2 ranks (µs): broadcast 252/146, 1489/808, 6567/4649; all-to-all
+/// 165/105, 1202/868, 4850/3801; scatter 168/105, 785/382, 4008/3210;
+/// allgather 140/76, 1026/698, 4059/4057; gather 465/508, 1805/1436,
+/// 7048/6844 (docs/compare/chunks/).
+const SLOT_CHUNKS_MIN: usize = 2 << 20;
+
+/// [`SLOT_CHUNKS_MIN`] where the ranks outnumber their CPUs. On that VM, 4
+/// ranks, 256 KiB chunks against 1 MiB: 2 MiB all-to-all 363/437 µs and
+/// scatter 192/320 (broadcast 313/227); 8 and 32 MiB all-to-all 3010/2853,
+/// 10606/9402, broadcast 2482/1811, 9357/7225, scatter 990/878, 5076/4683,
+/// gather 542/733, 2900/2764.
+const SLOT_CHUNKS_MIN_SHARING_CPUS: usize = 8 << 20;
 
 /// The largest allreduce run as [`BoardCall::small_allreduce`] (where it
 /// fits a slot, and is not streamed): one chunk, below mapped reductions.
@@ -180,6 +200,17 @@ impl BoardCall<'_> {
             CollectiveKind::Reduce | CollectiveKind::Gather if !self.direct => me == root,
             _ => true,
         }
+    }
+
+    /// Whether the chunks of a call that moves blocks fill the slot
+    /// ([`SLOT_CHUNKS_MIN`]): the same answer on every rank.
+    fn fills_slots(&self, mem: &dyn GroupMemory, n: usize) -> bool {
+        let (input, output) = self.needs(self.call.coll.root, n);
+        let min = match mem.ranks_share_cpus() {
+            true => SLOT_CHUNKS_MIN_SHARING_CPUS,
+            false => SLOT_CHUNKS_MIN,
+        };
+        moves(self.call.coll.kind) && input.max(output) >= min
     }
 
     /// Bytes of input and output this rank needs, for the checks up front.
@@ -265,7 +296,7 @@ impl BoardCall<'_> {
         // paths must agree on every rank, so this goes by the root's output
         // (a reduce's other ranks have none).
         let large = streams(mem, self.needs(coll.root, n).1);
-        let chunk = match direct && large {
+        let chunk = match direct && large || self.fills_slots(mem, n) {
             true => mem.slot_bytes(),
             false => mem.slot_bytes().min(CHUNK_MAX),
         };
