@@ -32,19 +32,34 @@ use ccl_core::Result;
 /// for outgoing connections.
 const FREE_PORTS: std::ops::Range<u16> = 20000..32000;
 
+/// The ports [`free_port`] handed out in this process: never again, so that
+/// two launches of one process (tests in parallel) cannot both take a port
+/// in the moment before the first one's server binds it.
+static HANDED_OUT: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
 /// A TCP port free on every interface right now, for a store server to bind
 /// (`MASTER_PORT` of a local launch). Picked at random below the ephemeral
 /// range, so that no outgoing connection takes it in the moment before the
-/// server binds it (a port from binding port 0 often is taken that way).
+/// server binds it (a port from binding port 0 often is taken that way),
+/// and never one this process was given before.
 pub fn free_port() -> std::io::Result<u16> {
     use std::hash::{BuildHasher, Hasher};
     let random = std::collections::hash_map::RandomState::new();
+    let mut given = HANDED_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    if given.len() >= usize::from(FREE_PORTS.end - FREE_PORTS.start) / 2 {
+        // Long since bound or given up: the range must not run dry.
+        given.clear();
+    }
     for attempt in 0u64..1000 {
         let mut h = random.build_hasher();
         h.write_u64(attempt);
         let span = u64::from(FREE_PORTS.end - FREE_PORTS.start);
         let port = FREE_PORTS.start + (h.finish() % span) as u16;
-        if std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).is_ok() {
+        if !given.contains(&port)
+            && std::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).is_ok()
+        {
+            given.insert(port);
             return Ok(port);
         }
     }
@@ -107,6 +122,16 @@ impl Store for PrefixStore {
     fn served_here(&self) -> bool {
         self.inner.served_here()
     }
+}
+
+#[test]
+fn a_process_is_never_given_the_same_port_twice() {
+    // 1000 of 12000 ports: picked at random alone, two would match almost
+    // surely (the birthday bound).
+    let ports: std::collections::BTreeSet<u16> =
+        (0..1000).map(|_| free_port().expect("a free port")).collect();
+    assert_eq!(ports.len(), 1000);
+    assert!(ports.iter().all(|p| FREE_PORTS.contains(p)));
 }
 
 /// The behaviour every [`Store`] must show; each store's tests run it.
