@@ -128,8 +128,9 @@ impl Store for PrefixStore {
 fn a_process_is_never_given_the_same_port_twice() {
     // 1000 of 12000 ports: picked at random alone, two would match almost
     // surely (the birthday bound).
-    let ports: std::collections::BTreeSet<u16> =
-        (0..1000).map(|_| free_port().expect("a free port")).collect();
+    let ports: std::collections::BTreeSet<u16> = (0..1000)
+        .map(|_| free_port().expect("a free port"))
+        .collect();
     assert_eq!(ports.len(), 1000);
     assert!(ports.iter().all(|p| FREE_PORTS.contains(p)));
 }
