@@ -81,7 +81,16 @@ pub fn launch(
     launch_each(program, args, n, |_| env.to_vec(), deadline)
 }
 
+/// How many times [`launch_each`] starts a job again whose store port another
+/// process took between the pick and rank 0's bind.
+const PORT_TAKEN_RETRIES: usize = 3;
+
 /// [`launch`] with variables that differ per rank: `env(rank)`.
+///
+/// The store port is picked free ([`ccl::free_port`]), but another process
+/// (a `ccl-run` of a concurrent test picks its own) may bind it before rank
+/// 0 does: where rank 0 fails that way, the job is killed and started again
+/// on another port, up to [`PORT_TAKEN_RETRIES`] times, saying so on stderr.
 pub fn launch_each<'a>(
     program: &str,
     args: &[&str],
@@ -89,15 +98,49 @@ pub fn launch_each<'a>(
     env: impl Fn(usize) -> Vec<(&'a str, String)>,
     deadline: Duration,
 ) -> Vec<RankOutput> {
-    let port = ccl::free_port()
-        .expect("a free port for the store")
-        .to_string();
+    let mut retries = 0;
+    loop {
+        let port = ccl::free_port().expect("a free port for the store");
+        match launch_on(port, program, args, n, &env, deadline) {
+            Launched::PortTaken(_) if retries < PORT_TAKEN_RETRIES => {
+                retries += 1;
+                eprintln!(
+                    "launch {program}: store port {port} was taken before rank 0 bound it; \
+                     starting again on another ({retries} of {PORT_TAKEN_RETRIES})"
+                );
+            }
+            Launched::PortTaken(out) | Launched::Ran(out) => return out,
+        }
+    }
+}
+
+/// What [`launch_on`] saw.
+#[derive(Debug)]
+pub enum Launched {
+    /// Every rank ran to its end (or was killed at the deadline).
+    Ran(Vec<RankOutput>),
+    /// Rank 0 could not bind the store port; the other ranks were killed.
+    PortTaken(Vec<RankOutput>),
+}
+
+/// Whether rank 0's output says it could not bind the store's port.
+fn store_port_taken(text: &str) -> bool {
+    text.contains("store server: binding") && text.contains("Address already in use")
+}
+
+/// [`launch_each`] once, on store port `port`.
+pub fn launch_on<'a>(
+    port: u16,
+    program: &str,
+    args: &[&str],
+    n: usize,
+    env: &impl Fn(usize) -> Vec<(&'a str, String)>,
+    deadline: Duration,
+) -> Launched {
+    let port = port.to_string();
     let start = Instant::now();
-    let mut children: Vec<(
-        Child,
-        thread::JoinHandle<String>,
-        thread::JoinHandle<String>,
-    )> = (0..n)
+    type Drains = Option<(thread::JoinHandle<String>, thread::JoinHandle<String>)>;
+    let mut children: Vec<(Child, Drains)> = (0..n)
         .map(|rank| {
             let mut cmd = Command::new(program);
             cmd.args(args)
@@ -118,22 +161,30 @@ pub fn launch_each<'a>(
                 .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
             let out = child.stdout.take().unwrap();
             let err = child.stderr.take().unwrap();
-            let (o, e) = (drain(out), drain(err));
-            (child, o, e)
+            (child, Some((drain(out), drain(err))))
         })
         .collect();
-    let pids: Vec<u32> = children.iter().map(|(c, _, _)| c.id()).collect();
+    let pids: Vec<u32> = children.iter().map(|(c, _)| c.id()).collect();
     let mut status: Vec<Option<(Option<i32>, Duration)>> = vec![None; n];
+    // Rank 0's output, read as soon as it exited with an error.
+    let mut first: Option<(String, String)> = None;
+    let mut port_taken = false;
     while status.iter().any(Option::is_none) {
-        for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+        for (rank, (child, _)) in children.iter_mut().enumerate() {
             if status[rank].is_none() {
                 if let Ok(Some(s)) = child.try_wait() {
                     status[rank] = Some((s.code(), start.elapsed()));
                 }
             }
         }
-        if start.elapsed() > deadline {
-            for (rank, (child, _, _)) in children.iter_mut().enumerate() {
+        if first.is_none() && status[0].is_some_and(|(code, _)| code != Some(0)) {
+            let (o, e) = children[0].1.take().unwrap();
+            let out = (o.join().unwrap_or_default(), e.join().unwrap_or_default());
+            port_taken = store_port_taken(&format!("{}{}", out.0, out.1));
+            first = Some(out);
+        }
+        if port_taken || start.elapsed() > deadline {
+            for (rank, (child, _)) in children.iter_mut().enumerate() {
                 if status[rank].is_none() {
                     let _ = child.kill();
                     let _ = child.wait();
@@ -143,23 +194,31 @@ pub fn launch_each<'a>(
         }
         thread::sleep(Duration::from_millis(5));
     }
-    children
+    let out = children
         .into_iter()
         .zip(status)
         .zip(pids)
         .enumerate()
-        .map(|(rank, (((_, o, e), s), pid))| {
+        .map(|(rank, (((_, drains), s), pid))| {
             let (code, elapsed) = s.unwrap();
+            let (stdout, stderr) = match drains {
+                Some((o, e)) => (o.join().unwrap_or_default(), e.join().unwrap_or_default()),
+                None => first.take().unwrap_or_default(),
+            };
             RankOutput {
                 rank,
                 pid,
                 code,
-                stdout: o.join().unwrap_or_default(),
-                stderr: e.join().unwrap_or_default(),
+                stdout,
+                stderr,
                 elapsed,
             }
         })
-        .collect()
+        .collect();
+    match port_taken {
+        true => Launched::PortTaken(out),
+        false => Launched::Ran(out),
+    }
 }
 
 /// Panics with every rank's output unless all ranks exited 0.

@@ -2,9 +2,12 @@
 //! sub-communicators, point-to-point, and a dead rank (more failure cases
 //! are in faults.rs).
 
-use std::{process::Command, time::Duration};
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
 
-use ccl_tests::{assert_all_ok, ccl_run, launch, launch_each, leftovers};
+use ccl_tests::{assert_all_ok, ccl_run, launch, launch_each, launch_on, leftovers, Launched};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_ccl-test-worker");
 
@@ -314,4 +317,37 @@ fn pinned_ranks_are_counted_over_the_cpus_they_may_use() {
         let line = format!("{n} ranks on this host, on {k} CPUs between them: {expect}");
         assert_eq!(stderr.matches(&line).count(), n, "{line:?} in {stderr}");
     }
+}
+
+/// Where another process took the store port before rank 0 bound it, the
+/// harness sees it from rank 0's error and ends the job at once (to start
+/// it again on another port), instead of leaving the other ranks talking
+/// to the stranger until the deadline.
+#[test]
+fn a_store_port_taken_before_rank_0_binds_it_ends_the_job_at_once() {
+    let port = ccl::free_port().expect("a free port");
+    let _stranger = std::net::TcpListener::bind(("0.0.0.0", port)).expect("bind the port");
+    let start = Instant::now();
+    let got = launch_on(
+        port,
+        WORKER,
+        &["p2p"],
+        3,
+        &|_| env("60s"),
+        Duration::from_secs(60),
+    );
+    let Launched::PortTaken(out) = got else {
+        panic!("rank 0 bound a port another socket listens on: {got:?}");
+    };
+    assert!(
+        out[0].text().contains("Address already in use"),
+        "{}",
+        out[0].text()
+    );
+    assert!(out[1..].iter().all(|o| o.code.is_none()), "killed: {out:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        start.elapsed()
+    );
 }
