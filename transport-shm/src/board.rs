@@ -68,7 +68,10 @@
 use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     path::{Path, PathBuf},
-    sync::atomic::{fence, AtomicU32, AtomicU64, Ordering},
+    sync::{
+        atomic::{fence, AtomicU32, AtomicU64, Ordering},
+        Mutex,
+    },
     time::{Duration, Instant},
 };
 
@@ -513,7 +516,7 @@ impl Board {
         match (can, cma) {
             (false, _) => CANNOT_READ,
             (true, DirectReads::Mapped) => READS_SLOWLY,
-            (true, DirectReads::Timed) if self.n > 1 => match self.time_kernel_copy() {
+            (true, DirectReads::Timed) if self.n > 1 => match self.kernel_copy_timing() {
                 Some((kernel, plain)) => {
                     let ns = |d: Duration| u32::try_from(d.as_nanos()).unwrap_or(u32::MAX).max(1);
                     self.word32(self.rank, KERNEL_NS)
@@ -560,6 +563,29 @@ impl Board {
         Ok((all, pay))
     }
 
+    /// [`Self::time_kernel_copy`]'s timings, taken once per process and
+    /// copy length: the boards after the first (sub-communicators) reuse
+    /// them. The copies take milliseconds, on a 2-rank board as long as the
+    /// rest of its set-up. A copy that failed is not kept: another peer may
+    /// allow it.
+    fn kernel_copy_timing(&self) -> Option<(Duration, Duration)> {
+        type Timed = Vec<(usize, (Duration, Duration))>;
+        static TIMED: Mutex<Timed> = Mutex::new(Vec::new());
+        let len = self.timed_len();
+        let mut timed = TIMED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, t)) = timed.iter().find(|(l, _)| *l == len) {
+            return Some(t);
+        }
+        let t = self.time_kernel_copy()?;
+        timed.push((len, t));
+        Some(t)
+    }
+
+    /// Bytes [`Self::time_kernel_copy`] copies.
+    fn timed_len(&self) -> usize {
+        TIMED_BYTES.min(2 * self.slot)
+    }
+
     /// How long copying this rank's slots takes through the kernel, out of
     /// the next rank's mapping of them, and plainly: the fastest of four
     /// copies each (the first warms the pages and caches); `None` where a
@@ -568,7 +594,7 @@ impl Board {
     fn time_kernel_copy(&self) -> Option<(Duration, Duration)> {
         let peer = (self.rank + 1) % self.n;
         let at = self.slot_at(self.rank, 0);
-        let len = TIMED_BYTES.min(2 * self.slot);
+        let len = self.timed_len();
         let remote = self.seg.load(self.control(peer) + BASE) + at as u64;
         // SAFETY: this rank's two slots, inside the segment; see above.
         let slots = unsafe { std::slice::from_raw_parts(self.seg.base().add(at), len) };
@@ -1392,6 +1418,20 @@ mod tests {
                 timed(1)
             );
         }
+    }
+
+    /// A process times the kernel's copies once: its later boards (a
+    /// sub-communicator's) tell the same timings, to the nanosecond.
+    #[test]
+    fn a_process_times_the_kernels_copies_once() {
+        let timed = |board: &Board| {
+            let word = |what| board.word32(0, what).load(Ordering::Acquire);
+            (word(KERNEL_NS), word(PLAIN_NS))
+        };
+        let (first, _one) = pair_with(Spin::default(), [DirectReads::Timed; 2]);
+        let (second, _one) = pair_with(Spin::default(), [DirectReads::Timed; 2]);
+        assert!(timed(&first).0 > 0, "{:?}", timed(&first));
+        assert_eq!(timed(&first), timed(&second));
     }
 
     /// The ranks' fastest copies decide together: one rank whose copies a
