@@ -89,8 +89,8 @@ const PORT_TAKEN_RETRIES: usize = 3;
 ///
 /// The store port is picked free ([`ccl::free_port`]), but another process
 /// (a `ccl-run` of a concurrent test picks its own) may bind it before rank
-/// 0 does: where rank 0 fails that way, the job is killed and started again
-/// on another port, up to [`PORT_TAKEN_RETRIES`] times, saying so on stderr.
+/// 0 does: where rank 0 fails to bind that port (not one `env` gives it),
+/// the job is killed and started again on another port, up to [`PORT_TAKEN_RETRIES`] times, saying so on stderr.
 pub fn launch_each<'a>(
     program: &str,
     args: &[&str],
@@ -123,9 +123,14 @@ pub enum Launched {
     PortTaken(Vec<RankOutput>),
 }
 
-/// Whether rank 0's output says it could not bind the store's port.
-fn store_port_taken(text: &str) -> bool {
-    text.contains("store server: binding") && text.contains("Address already in use")
+/// Whether rank 0's output says it could not bind `port`, the store port
+/// the launch picked (a test may give the ranks another, taken on purpose).
+fn store_port_taken(text: &str, port: &str) -> bool {
+    text.lines().any(|l| {
+        l.contains("store server: binding")
+            && l.contains(&format!(":{port}: "))
+            && l.contains("Address already in use")
+    })
 }
 
 /// [`launch_each`] once, on store port `port`.
@@ -180,7 +185,7 @@ pub fn launch_on<'a>(
         if first.is_none() && status[0].is_some_and(|(code, _)| code != Some(0)) {
             let (o, e) = children[0].1.take().unwrap();
             let out = (o.join().unwrap_or_default(), e.join().unwrap_or_default());
-            port_taken = store_port_taken(&format!("{}{}", out.0, out.1));
+            port_taken = store_port_taken(&format!("{}{}", out.0, out.1), &port);
             first = Some(out);
         }
         if port_taken || start.elapsed() > deadline {
