@@ -1,7 +1,10 @@
 //! Local mode: ccl-bench starts N processes of itself as ranks and watches them.
 //!
 //! Each rank gets torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
-//! LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT), stays in
+//! LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT) and connects to
+//! the rendezvous store that ccl-bench itself serves there
+//! (CCL_STORE_EXTERNAL=1): bound before any rank starts, its port cannot be
+//! taken by another process between being picked and being bound. It stays in
 //! ccl-bench's process group (so Ctrl-C reaches every rank) and is killed by
 //! the kernel if ccl-bench dies (PR_SET_PDEATHSIG). One thread per rank waits
 //! for it; the first rank to exit with a failure is reported
@@ -12,12 +15,14 @@
 use std::{
     ffi::OsString,
     io,
+    net::Ipv4Addr,
     os::unix::process::ExitStatusExt,
     process::{Command, ExitStatus, Stdio},
     sync::{mpsc, Arc, Mutex},
     time::{Instant, SystemTime},
 };
 
+use ccl::{JobSecret, TcpStoreServer};
 use ccl_run::Bind;
 
 use crate::c2c;
@@ -55,8 +60,21 @@ pub fn rank_env(rank: usize, n: usize, port: u16, t0: SystemTime) -> Vec<(String
         ("GROUP_RANK".into(), "0".into()),
         ("MASTER_ADDR".into(), "127.0.0.1".into()),
         ("MASTER_PORT".into(), port.to_string()),
+        ("CCL_STORE_EXTERNAL".into(), "1".into()),
         (T0_VAR.into(), epoch_ns(t0).to_string()),
     ]
+}
+
+/// Serves the ranks' store on a port of the loopback interface that the
+/// kernel picks, requiring `secret` (the ranks' `CCL_JOB_SECRET`: the
+/// generated one, else the inherited one) of every client.
+fn serve_store(secret: Option<&str>) -> ccl::Result<TcpStoreServer> {
+    let inherited = std::env::var(ccl_run::SECRET_VAR).ok();
+    let secret = match secret.or(inherited.as_deref().filter(|s| !s.is_empty())) {
+        Some(s) => Some(JobSecret::new(s)?),
+        None => None,
+    };
+    TcpStoreServer::bind_with_secret((Ipv4Addr::LOCALHOST, 0).into(), secret.as_ref())
 }
 
 /// "exited with status 3" / "was killed by signal SIGKILL".
@@ -105,13 +123,15 @@ pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32
             return 1;
         }
     };
-    let port = match ccl::free_port() {
-        Ok(p) => p,
+    // Lives until every rank has exited.
+    let store = match serve_store(secret.as_deref()) {
+        Ok(s) => s,
         Err(e) => {
-            eprintln!("ccl-bench: cannot find a free port for the rendezvous: {e}");
+            eprintln!("ccl-bench: cannot serve the ranks' rendezvous store: {e}");
             return 1;
         }
     };
+    let port = store.local_addr().port();
     let cpus = match bind.cpus() {
         Ok(c) => c,
         Err(e) => {
@@ -222,4 +242,39 @@ pub fn run_local(n: usize, args: &[OsString], bind: Bind, t0: SystemTime) -> i32
         }
     }
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use ccl::{Store, TcpStore};
+
+    use super::*;
+
+    #[test]
+    fn the_ranks_store_is_bound_before_they_start_and_asks_for_their_secret() {
+        let store = serve_store(Some("s3cret")).expect("serving the store");
+        let port = store.local_addr().port();
+        // Held from now on: no other process can bind the port the ranks get.
+        let taken = std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, port));
+        assert!(taken.is_err(), "port {port} is free again: {taken:?}");
+        let env = rank_env(0, 2, port, SystemTime::now());
+        assert!(env.contains(&("MASTER_PORT".into(), port.to_string())));
+        // Rank 0 connects like the others instead of serving.
+        assert!(env.contains(&("CCL_STORE_EXTERNAL".into(), "1".into())));
+        let wait = Duration::from_secs(10);
+        let secret = |s: &str| JobSecret::new(s).expect("a secret");
+        let rank = TcpStore::connect_with_secret("127.0.0.1", port, wait, Some(&secret("s3cret")))
+            .expect("a client with the job's secret");
+        rank.set("k", b"v").expect("set");
+        let stranger = TcpStore::connect_with_secret(
+            "127.0.0.1",
+            port,
+            Duration::from_secs(2),
+            Some(&secret("guess")),
+        )
+        .and_then(|s| s.get("k", Duration::from_secs(2)));
+        assert!(stranger.is_err(), "a wrong secret was served: {stranger:?}");
+    }
 }
