@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
-"""Prints the README's table from this folder's compare JSONs: ccl/best per size,
-bold with the best peer's name where a peer was faster."""
+"""Prints a README table from the compare JSONs in DIR (named PREFIX + COLL-N-LINK.json,
+as docs/compare/*/run.sh and scan.sh write them): ccl/best per size, bold with the best
+peer's name where a peer was faster.
+
+Usage: table.py DIR [PREFIX]"""
 import json, os, sys
 
-here = os.path.dirname(os.path.abspath(__file__))
+if len(sys.argv) not in (2, 3):
+    sys.exit(__doc__)
+here = sys.argv[1]
+prefix = sys.argv[2] if len(sys.argv) == 3 else ""
 names = {"openmpi": "OpenMPI", "mpich": "MPICH", "oneccl": "oneCCL", "gloo": "Gloo"}
 print("| collective | ranks | links | 8 B | 128 B | 2 KiB | 32 KiB | 512 KiB | 8 MiB | 128 MiB |")
 print("|---|---|---|---|---|---|---|---|---|---|")
@@ -11,7 +17,7 @@ wins = total = 0
 for coll in ["allreduce", "allgather", "reduce-scatter", "broadcast", "alltoall"]:
     for n in [2, 4]:
         for link in ["shm", "tcp"]:
-            path = os.path.join(here, f"{coll}-{n}-{link}.json")
+            path = os.path.join(here, f"{prefix}{coll}-{n}-{link}.json")
             if not os.path.exists(path):
                 print(f"| {coll} | {n} | {link} | (no run) |")
                 continue
