@@ -16,8 +16,9 @@ use crate::{
 pub enum Algorithm {
     /// Ring: allreduce (reduce-scatter + allgather), allgather, reduce-scatter.
     Ring,
-    /// Recursive doubling: allreduce of small messages in ⌈log2 n⌉ rounds;
-    /// allgather in ⌈log2 n⌉ steps of doubling size.
+    /// Recursive doubling: allreduce of small messages in ⌈log2 n⌉ rounds,
+    /// and reduce-scatter as that allreduce keeping one block; allgather in
+    /// ⌈log2 n⌉ steps of doubling size.
     RecursiveDoubling,
     /// Binomial tree: broadcast, reduce.
     BinomialTree,
@@ -107,7 +108,11 @@ impl Algorithm {
                 Algorithm::Direct,
             ],
             CollectiveKind::AllGather => &[Algorithm::Ring, Algorithm::RecursiveDoubling],
-            CollectiveKind::ReduceScatter => &[Algorithm::Ring, Algorithm::RecursiveHalving],
+            CollectiveKind::ReduceScatter => &[
+                Algorithm::Ring,
+                Algorithm::RecursiveHalving,
+                Algorithm::RecursiveDoubling,
+            ],
             CollectiveKind::Broadcast | CollectiveKind::Reduce => {
                 &[Algorithm::BinomialTree, Algorithm::Chain]
             }
@@ -307,6 +312,9 @@ impl Algorithm {
             }
             (CollectiveKind::ReduceScatter, Algorithm::RecursiveHalving) => {
                 halving::reduce_scatter(r, n, c, p, finalize)
+            }
+            (CollectiveKind::ReduceScatter, Algorithm::RecursiveDoubling) => {
+                doubling::reduce_scatter(r, n, c, p, finalize)
             }
             (CollectiveKind::Broadcast, Algorithm::BinomialTree) => {
                 tree::broadcast(r, n, root, c, p)

@@ -120,36 +120,50 @@ pub(crate) fn folded_allreduce(
     b.finish()
 }
 
+/// The rounds of recursive doubling among the survivors of `fold`, as
+/// survivor `v`: each round sends the partial result `cur` to `v ^ 2^k` and
+/// reduces what comes back with it into the other of `a` and `b` (so that a
+/// round's send and receive never touch the same memory). All four regions
+/// are the same length; `a` and `b` are different memory. Returns the region
+/// that holds the result.
+pub(crate) fn doubling_rounds(
+    b: &mut Builder,
+    fold: &Fold,
+    v: usize,
+    mut cur: Region,
+    (first, second): (Region, Region),
+    piece: usize,
+) -> Region {
+    let mut mask = 1;
+    while mask < fold.p {
+        let peer = fold.real(v ^ mask);
+        let next = if cur == first { second } else { first };
+        let sends = pieces(cur, piece);
+        let recvs = pieces(next, piece);
+        for (s, (d, l)) in sends.iter().zip(recvs.iter().zip(pieces(cur, piece))) {
+            b.push(Action::Send { peer, src: *s });
+            b.push(Action::RecvReduce {
+                peer,
+                dst: *d,
+                local: Some(l),
+            });
+        }
+        cur = next;
+        mask <<= 1;
+    }
+    cur
+}
+
 /// Recursive-doubling allreduce of `count` elements.
 pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bool) -> Schedule {
     folded_allreduce(rank, n, count, piece, |b, fold, v, src| {
         let output = Region::new(BufId::Output, 0, count);
         let scratch = Region::new(BufId::Scratch, 0, count);
-        // Partial results alternate between scratch and the output, so that
-        // a round's send and receive never touch the same memory.
-        let mut cur = Region::new(src, 0, count);
-        let mut mask = 1;
-        while mask < fold.p {
+        if fold.p > 1 {
             b.scratch(count);
-            let peer = fold.real(v ^ mask);
-            let next = if cur.buf == BufId::Scratch {
-                output
-            } else {
-                scratch
-            };
-            let sends = pieces(cur, piece);
-            let recvs = pieces(next, piece);
-            for (s, (d, l)) in sends.iter().zip(recvs.iter().zip(pieces(cur, piece))) {
-                b.push(Action::Send { peer, src: *s });
-                b.push(Action::RecvReduce {
-                    peer,
-                    dst: *d,
-                    local: Some(l),
-                });
-            }
-            cur = next;
-            mask <<= 1;
         }
+        let cur = Region::new(src, 0, count);
+        let cur = doubling_rounds(b, fold, v, cur, (scratch, output), piece);
         if cur != output {
             b.push(Action::Copy {
                 src: cur,
@@ -162,9 +176,90 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
     })
 }
 
+/// Reduce-scatter by recursive doubling: the whole input (`n * count`
+/// elements) is allreduced by [`doubling_rounds`] in scratch, and rank r
+/// keeps block r. Each round moves the whole buffer, so this is for small
+/// buffers, where it needs the same log2 n rounds as recursive halving but
+/// pairs the ranks nearest in rank order first (as the allreduce does).
+pub fn reduce_scatter(
+    rank: usize,
+    n: usize,
+    count: usize,
+    piece: usize,
+    finalize: bool,
+) -> Schedule {
+    let mut b = Builder::new();
+    let fold = Fold::new(n);
+    let all = n * count;
+    let input = Region::new(BufId::Input, 0, all);
+    let out = Region::new(BufId::Output, 0, count);
+    match fold.role(rank) {
+        Role::Idle { partner } => {
+            b.send_pieces(partner, input, piece);
+            b.recv_pieces(partner, out, piece);
+        }
+        Role::Survivor { v, partner } => {
+            let halves = (
+                Region::new(BufId::Scratch, 0, all),
+                Region::new(BufId::Scratch, all, all),
+            );
+            if n > 1 {
+                b.scratch(2 * all);
+            }
+            let cur = match partner {
+                Some(q) => {
+                    b.recv_reduce_pieces(q, halves.0, Some(input), piece);
+                    halves.0
+                }
+                None => input,
+            };
+            let cur = doubling_rounds(&mut b, &fold, v, cur, halves, piece);
+            b.push(Action::Copy {
+                src: cur.sub(rank * count, count),
+                dst: out,
+            });
+            if let Some(q) = partner {
+                b.send_pieces(q, cur.sub(q * count, count), piece);
+            }
+        }
+    }
+    if finalize {
+        b.finalize_pieces(out, piece);
+    }
+    b.finish()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{Fold, Role};
+    use super::{reduce_scatter, Fold, Role};
+    use crate::schedule::{Action, BufId};
+
+    /// At a power of two: one whole-buffer exchange with v ^ 1, v ^ 2, v ^ 4
+    /// (nearest first), then the own block copied out of scratch.
+    #[test]
+    fn reduce_scatter_rounds() {
+        for rank in 0..8 {
+            let s = reduce_scatter(rank, 8, 10, 1 << 20, false);
+            let sends: Vec<(usize, usize)> = s
+                .ops
+                .iter()
+                .filter_map(|op| match op.action {
+                    Action::Send { peer, src } => Some((peer, src.len)),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(sends, [1, 2, 4].map(|m| (rank ^ m, 80)), "rank {rank}");
+            let Some(Action::Copy { src, dst }) = s.ops.last().map(|op| op.action) else {
+                panic!("rank {rank} does not end with its block's copy");
+            };
+            assert_eq!(
+                (src.buf, src.offset, src.len, dst.buf, dst.offset),
+                // Three rounds from the input end in scratch's first half.
+                (BufId::Scratch, rank * 10, 10, BufId::Output, 0)
+            );
+            assert_eq!(s.scratch_elems, 160);
+        }
+    }
 
     #[test]
     fn fold_roles() {
