@@ -127,6 +127,10 @@ const SLOT_CHUNKS_MIN_SHARING_CPUS: usize = 8 << 20;
 /// fits a slot, and is not streamed): one chunk, below mapped reductions.
 const SMALL_ALLREDUCE_MAX: usize = 2048;
 
+/// The largest broadcast run as [`BoardCall::small_broadcast`] (where it
+/// fits a slot, and is not streamed): one chunk, below direct reads.
+const SMALL_BROADCAST_MAX: usize = 2048;
+
 /// The parts of one post, each at its offset in the payload: on the stack
 /// up to 8 (a call of up to 9 ranks posts without an allocation).
 type Parts<'a> = smallvec::SmallVec<[(usize, &'a [u8]); 8]>;
@@ -279,6 +283,12 @@ impl BoardCall<'_> {
             && !streams(mem, part)
         {
             return self.small_allreduce(mem, input, output, part, timeout);
+        }
+        if coll.kind == CollectiveKind::Broadcast
+            && part <= SMALL_BROADCAST_MAX.min(mem.slot_bytes())
+            && !streams(mem, part)
+        {
+            return self.small_broadcast(mem, input, output, part, timeout);
         }
         let in_place = std::ptr::eq(input.0, output.0);
         let several = inputs.one().is_none();
@@ -543,6 +553,41 @@ impl BoardCall<'_> {
             }
         }
         self.reduce_all(&round, n, unsafe { slice_mut(output.0, len) }, None)
+    }
+
+    /// A small broadcast (of at most [`SMALL_BROADCAST_MAX`] bytes and a
+    /// slot, not streamed, one buffer each): one round, as [`Self::chunks`]
+    /// runs it, without the choices that come out the same for every such
+    /// call. The root returns once it posted and runs ahead of the others
+    /// (the group memory's `begin`), so a run of broadcasts goes at the pace
+    /// of the slower side's call path, not of a round trip: on a 2-vCPU AMD
+    /// EPYC VM, 2 ranks' 8 B broadcast took 1,310 instructions a call on the
+    /// root and 1,470 on the other rank against 1,610 and 1,940 through
+    /// `chunks` (callgrind), and a median of 0.18 µs against 0.225.
+    fn small_broadcast(
+        &self,
+        mem: &dyn GroupMemory,
+        input: (*mut u8, usize),
+        output: (*mut u8, usize),
+        len: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        let root = self.call.coll.root;
+        let deadline = Deadline::after(timeout);
+        let round = Round::begin(mem, self.call.header(0, 0), &deadline)?;
+        // SAFETY: as in `chunks`; in place the root's output is its input,
+        // which it only posts.
+        if self.call.rank == root {
+            round.post(unsafe { slice(input.0, len) })?;
+            if std::ptr::eq(input.0, output.0) {
+                return Ok(());
+            }
+            let (inp, out) = unsafe { (slice(input.0, len), slice_mut(output.0, len)) };
+            return kernels::copy(out, inp, false);
+        }
+        round.post(&[])?;
+        let theirs = round.read(root, len)?;
+        kernels::copy(unsafe { slice_mut(output.0, len) }, theirs, false)
     }
 
     /// Whether the call copies its blocks straight out of the other ranks'
