@@ -561,9 +561,10 @@ impl BoardCall<'_> {
     /// call. The root returns once it posted and runs ahead of the others
     /// (the group memory's `begin`), so a run of broadcasts goes at the pace
     /// of the slower side's call path, not of a round trip: on a 2-vCPU AMD
-    /// EPYC VM, 2 ranks' 8 B broadcast took 1,310 instructions a call on the
-    /// root and 1,470 on the other rank against 1,610 and 1,940 through
-    /// `chunks` (callgrind), and a median of 0.18 µs against 0.225.
+    /// EPYC VM, 2 ranks' 8 B broadcast took 1,250 instructions a call on the
+    /// root and 1,400 on the other rank against 1,610 and 1,940 through
+    /// `chunks` (callgrind, with the board's inline look in `begin`), and a
+    /// median of 0.18 µs against 0.225.
     fn small_broadcast(
         &self,
         mem: &dyn GroupMemory,
