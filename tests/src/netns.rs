@@ -88,6 +88,29 @@ impl TwoHosts {
         }
     }
 
+    /// Limits what host `i` sends to `rate` (as `tc` spells it, e.g.
+    /// `64mbit`): a token bucket on its veth end.
+    pub fn limit_rate(&self, i: usize, rate: &str) {
+        ip(&[
+            "netns",
+            "exec",
+            &self.ns[i],
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            &self.dev[i],
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            "64kb",
+            "latency",
+            "400ms",
+        ]);
+    }
+
     /// Delays every packet that arrives at either host by `ms` milliseconds:
     /// `netdelay` (the `ccl-netdelay` binary, a delay line on NFQUEUE, since
     /// this kernel has no `tc netem`) holds what an iptables rule on the

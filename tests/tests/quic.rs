@@ -136,6 +136,15 @@ fn results_stay_right_under_20_ms_of_delay_and_half_a_percent_of_loss() {
 }
 
 #[test]
+fn a_rank_that_exits_right_after_a_send_delivers_it_over_a_slow_link() {
+    // 32 MiB at 64 Mbit/s take about 4 s to cross after rank 0 called exit:
+    // its exit hook waits for the acknowledgements as long as that takes.
+    let hosts = TwoHosts::new("qslow");
+    hosts.limit_rate(0, "64mbit");
+    across_two_hosts(&hosts, "send-then-exit", 2, "quic");
+}
+
+#[test]
 fn a_mixed_job_takes_shared_memory_within_hosts_and_quic_between() {
     let hosts = TwoHosts::new("qmix");
     for o in across_two_hosts(&hosts, "collectives", 4, "shm,quic") {

@@ -20,9 +20,12 @@
 //! trip held a 64 MiB ring allreduce at 14% of a 1 Gbit/s line. Unlike the
 //! kernel, quinn does not flush for a process that exits, so a task on the
 //! QUIC runtime counts every stream until the peer acknowledged it (quinn's
-//! `SendStream::stopped`), and what is unacknowledged is waited for (at most
-//! [`LINGER`]) when the link is dropped and, through an `atexit` hook, when
-//! the process exits without dropping its communicator. Receivers
+//! `SendStream::stopped`), and what is unacknowledged is waited for when the
+//! link is dropped and, through an `atexit` hook, when the process exits
+//! without dropping its communicator: until the peer acknowledged it all or
+//! the connection ended (a dead peer within QUIC's idle timeout), at most the
+//! communicator's timeout, as the kernel delivers what a TCP socket holds to
+//! a receiver that reads late. Receivers
 //! acknowledge every ack-eliciting packet at once (the ack-frequency
 //! extension, threshold 0, see `transport_config`), so that these waits are
 //! short and a peer that exits right after reading has acknowledged already.
@@ -35,7 +38,7 @@ use std::sync::{
     atomic::{AtomicBool, Ordering},
     Arc, Condvar, Mutex as StdMutex, Weak,
 };
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ccl_core::{
     frame::HEADER_LEN, AbortNotice, BufMut, BufRef, Error, FrameHeader, FrameKind, Link,
@@ -64,8 +67,6 @@ pub const ABORT_CODE: u32 = 0xCC1A;
 pub const DONE_CODE: u32 = 0;
 /// Longest abort reason that fits a close frame.
 const MAX_REASON: usize = 900;
-/// How long a dropped link waits for the peer to acknowledge what it sent.
-const LINGER: Duration = Duration::from_secs(2);
 
 pub(crate) struct QuicLink {
     rank: usize,
@@ -86,11 +87,13 @@ pub(crate) struct QuicLink {
 }
 
 impl QuicLink {
+    /// A link of communicator `comm`, whose operations time out after `timeout`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         rank: usize,
         peer: usize,
         comm: u64,
+        timeout: Duration,
         conn: Connection,
         endpoint: Endpoint,
         runtime: tokio::runtime::Handle,
@@ -106,7 +109,7 @@ impl QuicLink {
             sending: Mutex::new(()),
             receiving: Mutex::new(()),
             aborted: AtomicBool::new(false),
-            unacked: Unacked::registered(),
+            unacked: Unacked::registered(timeout),
             pool: PiecePool::new(KEEP_BUFFERS),
             _guard: guard,
         }
@@ -284,18 +287,19 @@ impl QuicLink {
 }
 
 /// A count of streams sent and not yet acknowledged.
-#[derive(Default)]
 struct Unacked {
     count: StdMutex<usize>,
     zero: Condvar,
+    /// The longest a link waits for its count to drain: the communicator's timeout.
+    limit: Duration,
 }
 
 /// The [`Unacked`] counts of every link of this process, for the exit hook.
 static EVERY_LINK: StdMutex<Vec<Weak<Unacked>>> = StdMutex::new(Vec::new());
 
-/// At process exit: waits (at most [`LINGER`] in all) until every link's
-/// peer acknowledged what it was sent. The QUIC runtime's thread still runs
-/// while exit hooks do.
+/// At process exit: waits until every link's peer acknowledged what it was
+/// sent, each link as [`Unacked::drain`] does, counted from the hook's start.
+/// The QUIC runtime's thread still runs while exit hooks do.
 extern "C" fn flush_at_exit() {
     let links: Vec<Arc<Unacked>> = EVERY_LINK
         .lock()
@@ -303,22 +307,26 @@ extern "C" fn flush_at_exit() {
         .iter()
         .filter_map(Weak::upgrade)
         .collect();
-    let end = std::time::Instant::now() + LINGER;
+    let start = Instant::now();
     for unacked in links {
-        unacked.wait_zero(end.saturating_duration_since(std::time::Instant::now()));
+        unacked.drain(start);
     }
 }
 
 impl Unacked {
     /// A count of a new link, known to the exit hook (registered with the first).
-    fn registered() -> Arc<Unacked> {
+    fn registered(limit: Duration) -> Arc<Unacked> {
         static AT_EXIT: std::sync::Once = std::sync::Once::new();
         // SAFETY: registers a function that takes nothing and returns
         // nothing, as atexit expects.
         AT_EXIT.call_once(|| unsafe {
             libc::atexit(flush_at_exit);
         });
-        let unacked = Arc::new(Unacked::default());
+        let unacked = Arc::new(Unacked {
+            count: StdMutex::new(0),
+            zero: Condvar::new(),
+            limit,
+        });
         let mut all = EVERY_LINK.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&unacked));
@@ -337,12 +345,18 @@ impl Unacked {
         }
     }
 
-    /// Waits (blocking) until the count is zero or `limit` passed; whether it is zero.
-    fn wait_zero(&self, limit: Duration) -> bool {
+    /// Waits (blocking) until the count is zero or `limit` after `start`
+    /// passed; whether it is zero. Every stream counts until its peer
+    /// acknowledged it or the connection ended, so a slow reader is waited
+    /// for and a dead peer only until QUIC's idle timeout.
+    fn drain(&self, start: Instant) -> bool {
+        let left = start.checked_add(self.limit).map_or(self.limit, |end| {
+            end.saturating_duration_since(Instant::now())
+        });
         let n = self.count.lock().unwrap_or_else(|e| e.into_inner());
         let (n, _) = self
             .zero
-            .wait_timeout_while(n, limit, |n| *n > 0)
+            .wait_timeout_while(n, left, |n| *n > 0)
             .unwrap_or_else(|e| e.into_inner());
         *n == 0
     }
@@ -485,15 +499,15 @@ impl Link for QuicLink {
 }
 
 impl Drop for QuicLink {
-    /// Waits (blocking, at most [`LINGER`]) until the peer acknowledged
+    /// Waits (blocking, see [`Unacked::drain`]) until the peer acknowledged
     /// everything this link sent, then closes the connection; the peer can
     /// still read what it received. Never called on the QUIC runtime's thread.
     fn drop(&mut self) {
-        if !self.aborted.load(Ordering::Acquire) && !self.unacked.wait_zero(LINGER) {
+        if !self.aborted.load(Ordering::Acquire) && !self.unacked.drain(Instant::now()) {
             tracing::debug!(
                 rank = self.rank,
                 peer = self.peer,
-                "closing a QUIC link with data not acknowledged after {LINGER:?}"
+                "closing a QUIC link with data not acknowledged within the timeout"
             );
         }
         let stats = self.conn.stats();
@@ -510,5 +524,65 @@ impl Drop for QuicLink {
         );
         self.conn.close(VarInt::from_u32(DONE_CODE), b"done");
         let _ = (&self.endpoint, self.comm);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn count(n: usize, limit: Duration) -> Arc<Unacked> {
+        let unacked = Unacked::registered(limit);
+        for _ in 0..n {
+            unacked.add();
+        }
+        unacked
+    }
+
+    #[test]
+    fn drain_waits_for_a_peer_that_reads_late() {
+        // Nothing for 2.5 s (the receiver computes), then every ack at once:
+        // longer than the 2 s the exit hook used to wait.
+        let unacked = count(6, Duration::from_secs(30));
+        let acks = Arc::clone(&unacked);
+        let peer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2500));
+            for _ in 0..6 {
+                acks.done();
+            }
+        });
+        let start = Instant::now();
+        assert!(unacked.drain(start));
+        assert!(start.elapsed() >= Duration::from_millis(2500));
+        peer.join().unwrap();
+    }
+
+    #[test]
+    fn drain_stops_at_the_timeout() {
+        let unacked = count(100, Duration::from_millis(900));
+        let acks = Arc::clone(&unacked);
+        let peer = std::thread::spawn(move || {
+            for _ in 0..10 {
+                std::thread::sleep(Duration::from_millis(200));
+                acks.done();
+            }
+        });
+        let start = Instant::now();
+        assert!(!unacked.drain(start));
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(900) && took < Duration::from_millis(1900),
+            "{took:?}"
+        );
+        peer.join().unwrap();
+    }
+
+    #[test]
+    fn drain_counts_the_timeout_from_the_start_it_is_given() {
+        let unacked = count(1, Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(400));
+        let at = Instant::now();
+        assert!(!unacked.drain(at - Duration::from_millis(400)));
+        assert!(at.elapsed() < Duration::from_millis(200));
     }
 }

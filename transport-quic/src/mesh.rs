@@ -572,6 +572,7 @@ impl Listening {
                 rank,
                 p,
                 self.setup.comm,
+                self.setup.timeout,
                 conn,
                 self.endpoint.clone(),
                 background().clone(),
