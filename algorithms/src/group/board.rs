@@ -160,12 +160,43 @@ impl BoardCall<'_> {
                 io.kind()
             )));
         }
-        self.chunks(
-            mem,
-            Pieces(io.input_pieces()),
-            Pieces(io.output_pieces()),
-            timeout,
-        )
+        let (inputs, outputs) = (Pieces(io.input_pieces()), Pieces(io.output_pieces()));
+        if let Some(result) = self.small(mem, inputs, outputs, timeout) {
+            return result;
+        }
+        self.chunks(mem, inputs, outputs, timeout)
+    }
+
+    /// Runs a small allreduce or broadcast ([`Self::small_allreduce`],
+    /// [`Self::small_broadcast`]: one buffer each, of the lengths the call
+    /// needs) before `chunks` weighs its other paths; `None` for any other
+    /// call, which `chunks` runs or refuses.
+    fn small(
+        &self,
+        mem: &dyn GroupMemory,
+        inputs: Pieces<'_>,
+        outputs: Pieces<'_>,
+        timeout: Duration,
+    ) -> Option<Result<()>> {
+        let coll = &self.call.coll;
+        let max = match coll.kind {
+            CollectiveKind::AllReduce if !self.direct => SMALL_ALLREDUCE_MAX,
+            CollectiveKind::Broadcast if !self.direct => SMALL_BROADCAST_MAX,
+            _ => return None,
+        };
+        let part = coll.count * coll.dtype.size();
+        if part > max.min(mem.slot_bytes()) || streams(mem, part) {
+            return None;
+        }
+        let (input, output) = (inputs.one()?, outputs.one()?);
+        let need_in = if self.posts(self.call.rank) { part } else { 0 };
+        if input.1 < need_in || output.1 < part {
+            return None;
+        }
+        Some(match coll.kind {
+            CollectiveKind::AllReduce => self.small_allreduce(mem, input, output, part, timeout),
+            _ => self.small_broadcast(mem, input, output, part, timeout),
+        })
     }
 
     /// Blocks per rank and bytes per block (see the module docs).
@@ -277,19 +308,6 @@ impl BoardCall<'_> {
                 )))
             }
         };
-        if coll.kind == CollectiveKind::AllReduce
-            && !direct
-            && part <= SMALL_ALLREDUCE_MAX.min(mem.slot_bytes())
-            && !streams(mem, part)
-        {
-            return self.small_allreduce(mem, input, output, part, timeout);
-        }
-        if coll.kind == CollectiveKind::Broadcast
-            && part <= SMALL_BROADCAST_MAX.min(mem.slot_bytes())
-            && !streams(mem, part)
-        {
-            return self.small_broadcast(mem, input, output, part, timeout);
-        }
         let in_place = std::ptr::eq(input.0, output.0);
         let several = inputs.one().is_none();
         // SAFETY (for every slice below): the engine hands this call its
@@ -557,8 +575,8 @@ impl BoardCall<'_> {
 
     /// A small broadcast (of at most [`SMALL_BROADCAST_MAX`] bytes and a
     /// slot, not streamed, one buffer each): one round, as [`Self::chunks`]
-    /// runs it, without the choices that come out the same for every such
-    /// call. The root returns once it posted and runs ahead of the others
+    /// would run it, without the choices that come out the same for every
+    /// such call. The root returns once it posted and runs ahead of the others
     /// (the group memory's `begin`), so a run of broadcasts goes at the pace
     /// of the slower side's call path, not of a round trip: on a 2-vCPU AMD
     /// EPYC VM, 2 ranks' 8 B broadcast took 1,250 instructions a call on the
