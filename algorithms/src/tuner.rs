@@ -215,10 +215,17 @@ impl std::str::FromStr for Overrides {
 /// A communicator's tuner: picks the algorithm of each call from the
 /// overrides, the table's lines for its world size and links, and the
 /// defaults where both are silent.
+///
+/// Every one of those rules is a choice per collective that changes only at
+/// a size limit (a table line's, or a default's), so the tuner works them out
+/// once, at construction, as a few size ranges per collective
+/// ([`Tuner::choose`] then reads the range of the call's size).
 #[derive(Clone, Debug)]
 pub struct Tuner {
-    table: Table,
-    overrides: Overrides,
+    /// For each collective (by its wire code), the choice for each range of
+    /// buffer sizes: `(up_to_bytes, choice)` in increasing order, the last
+    /// up to `u64::MAX`.
+    ranges: Vec<Vec<(u64, Choice)>>,
     world_size: usize,
     group_memory: bool,
 }
@@ -233,9 +240,35 @@ impl Tuner {
         links: &str,
         group_memory: bool,
     ) -> Tuner {
-        Tuner {
+        let rules = Rules {
             table: table.narrowed(world_size, links),
             overrides,
+            group_memory,
+        };
+        let mut ranges = vec![Vec::new(); CollectiveKind::ALL.len() + 1];
+        for kind in CollectiveKind::ALL {
+            let mut limits: Vec<u64> = rules
+                .table
+                .entries
+                .iter()
+                .filter(|e| e.collective == kind)
+                .filter_map(|e| e.up_to_bytes)
+                .chain([DEFAULT_BOARD_BYTES, SMALL_ALLREDUCE_BYTES, u64::MAX])
+                .collect();
+            limits.sort_unstable();
+            limits.dedup();
+            let mut kind_ranges: Vec<(u64, Choice)> = Vec::with_capacity(limits.len());
+            for up_to in limits {
+                let choice = rules.choose(kind, up_to);
+                match kind_ranges.last_mut() {
+                    Some(last) if last.1 == choice => last.0 = up_to,
+                    _ => kind_ranges.push((up_to, choice)),
+                }
+            }
+            ranges[kind as usize] = kind_ranges;
+        }
+        Tuner {
+            ranges,
             world_size,
             group_memory,
         }
@@ -254,9 +287,27 @@ impl Tuner {
     /// is never chosen without group memory.
     #[inline]
     pub fn choose(&self, coll: &Collective) -> Choice {
-        let kind = coll.kind;
-        let can = |a: Algorithm| a.implements(kind) && (!a.on_group_memory() || self.group_memory);
         let bytes = coll.buffer_bytes(self.world_size);
+        let ranges = &self.ranges[coll.kind as usize];
+        // The last range reaches u64::MAX: the fallback is never taken.
+        ranges
+            .iter()
+            .find(|(up_to, _)| bytes <= *up_to)
+            .map_or(Algorithm::Ring.into(), |(_, c)| *c)
+    }
+}
+
+/// The rules [`Tuner::choose`] follows, as [`Tuner::new`] works them out.
+struct Rules {
+    table: Table,
+    overrides: Overrides,
+    group_memory: bool,
+}
+
+impl Rules {
+    /// The choice for a `kind` call over a buffer of `bytes`.
+    fn choose(&self, kind: CollectiveKind, bytes: u64) -> Choice {
+        let can = |a: Algorithm| a.implements(kind) && (!a.on_group_memory() || self.group_memory);
         let chosen = self
             .overrides
             .get(kind)
@@ -376,6 +427,58 @@ allreduce tcp 8 -     dbtree
         ] {
             let e = bad.parse::<Overrides>().unwrap_err();
             assert!(e.starts_with("CCL_ALGO="), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_ranges_answer_as_the_rules_at_every_size() {
+        let table = Table::builtin();
+        let mut sizes: Vec<u64> = (0..64)
+            .flat_map(|b| [1u64 << b, (1 << b) + 1, (1 << b) - 1])
+            .collect();
+        sizes.extend(
+            table
+                .entries()
+                .iter()
+                .filter_map(|e| e.up_to_bytes)
+                .flat_map(|l| [l - 1, l, l + 1]),
+        );
+        sizes.push(u64::MAX);
+        let overrides: [Overrides; 2] = [
+            Overrides::default(),
+            "allreduce=ring/1M,broadcast=board".parse().unwrap(),
+        ];
+        for links in ["shm", "tcp", "loopback"] {
+            for world_size in [2, 3, 4, 8, 64] {
+                for group_memory in [false, true] {
+                    for o in &overrides {
+                        let tuner = Tuner::new(table, o.clone(), world_size, links, group_memory);
+                        let rules = Rules {
+                            table: table.narrowed(world_size, links),
+                            overrides: o.clone(),
+                            group_memory,
+                        };
+                        for kind in CollectiveKind::ALL {
+                            for &bytes in &sizes {
+                                let coll = Collective {
+                                    kind,
+                                    count: bytes as usize,
+                                    dtype: DataType::U8,
+                                    op: ccl_core::ReduceOp::Sum,
+                                    root: 0,
+                                };
+                                let bytes = coll.buffer_bytes(world_size);
+                                assert_eq!(
+                                    tuner.choose(&coll),
+                                    rules.choose(kind, bytes),
+                                    "{kind} of {bytes} B, {world_size} ranks over {links}, \
+                                     group memory {group_memory}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 
