@@ -475,10 +475,6 @@ impl Engine {
         timeout: Duration,
     ) -> Option<Result<()>> {
         let mem = self.shared.group.as_ref()?;
-        // A failure drives the runtime, which would panic inside another one.
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return None;
-        }
         let mut q = lock(&self.shared.queue);
         if q.closed || q.driving || !q.jobs.is_empty() {
             return None;
@@ -494,11 +490,28 @@ impl Engine {
                 // Settling drives the runtime: as the driver, unlocked.
                 q.driving = true;
                 drop(q);
-                let result = self.runtime.block_on(self.shared.settle(Err(e)));
+                let result = self.settle_here(Err(e));
                 self.stop_driving();
                 Some(result)
             }
         }
+    }
+
+    /// [`Shared::settle`] on this thread, driving the runtime; from inside
+    /// another runtime (where driving it would panic), on a helper thread.
+    fn settle_here(&self, result: Result<()>) -> Result<()> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.runtime.block_on(self.shared.settle(result));
+        }
+        thread::scope(|s| {
+            s.spawn(|| self.runtime.block_on(self.shared.settle(result)))
+                .join()
+                .unwrap_or_else(|_| {
+                    Err(Error::Internal(
+                        "settling a failed call panicked".to_string(),
+                    ))
+                })
+        })
     }
 
     /// Gives up driving after an inline job; wakes the progress thread if

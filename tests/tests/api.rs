@@ -149,17 +149,24 @@ fn blocking_calls_from_inside_an_async_runtime_do_not_panic() {
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        // Inside a runtime ccl cannot drive its own inline; it queues the call instead.
+        // Inside a runtime ccl cannot drive its own runtime on this thread:
+        // a small call runs on the board inline, and a failed one settles on
+        // a helper thread; others are queued.
         let v = rt.block_on(async {
             let mut v = vec![1u32; 4];
             comm.allreduce(&mut v, ReduceOp::Sum).map(|()| v)
         });
         let w = rt.block_on(comm.iallreduce(vec![2u32; 4], ReduceOp::Max));
-        (v.unwrap(), w.unwrap())
+        // Ranks that disagree on the length: a mismatch, on the board.
+        let len = 4 + comm.rank();
+        let bad = rt.block_on(async { comm.allreduce(&mut vec![1u32; len], ReduceOp::Sum) });
+        (v.unwrap(), w.unwrap(), bad)
     });
-    for (v, w) in results {
+    for (v, w, bad) in results {
         assert_eq!(v, vec![2; 4]);
         assert_eq!(w, vec![2; 4]);
+        let e = bad.expect_err("calls of different lengths");
+        assert!(matches!(e, ccl::Error::Mismatch { .. }), "{e}");
     }
 }
 
