@@ -433,7 +433,9 @@ allreduce tcp 8 -     dbtree
     #[test]
     fn the_ranges_answer_as_the_rules_at_every_size() {
         let table = Table::builtin();
-        let mut sizes: Vec<u64> = (0..64)
+        // Element counts of u8 up to 2^50, whose buffers (times the ranks)
+        // stay far from overflowing.
+        let mut sizes: Vec<u64> = (0..50)
             .flat_map(|b| [1u64 << b, (1 << b) + 1, (1 << b) - 1])
             .collect();
         sizes.extend(
@@ -443,7 +445,6 @@ allreduce tcp 8 -     dbtree
                 .filter_map(|e| e.up_to_bytes)
                 .flat_map(|l| [l - 1, l, l + 1]),
         );
-        sizes.push(u64::MAX);
         let overrides: [Overrides; 2] = [
             Overrides::default(),
             "allreduce=ring/1M,broadcast=board".parse().unwrap(),
