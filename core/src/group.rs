@@ -92,7 +92,9 @@ pub trait GroupMemory: Send + Sync {
 
     /// Waits for rank `rank` to post round `round` and returns its payload
     /// of `len` bytes, after checking that its header is `expect` with that
-    /// length (another call is [`crate::Error::Mismatch`]).
+    /// length (another call is [`crate::Error::Mismatch`]). Once this rank
+    /// posted in the round, `expect` is the header it posted with (but for
+    /// the length): the memory may check against that one.
     fn read(
         &self,
         round: u64,

@@ -232,12 +232,15 @@ pub struct Board {
     history: AtomicU64,
     /// The digest terms of the current call ([`terms`]), for `history`.
     current: AtomicU64,
+    /// The call whose header `current` holds the terms of: a read in that
+    /// call expects the same header but for the length, so its digest needs
+    /// only the length's term.
+    current_of: AtomicU64,
     /// The latest call each peer is known to have published (only this
     /// rank's driving thread uses it); `u64::MAX` for this rank.
     seen: Vec<AtomicU64>,
     /// The last call whose payload slot [`Board::payload_free`] found free.
     payload_free_for: AtomicU64,
-    last_post: LastPost,
     /// Readable once peer `p` exits; `None` for this rank or without pidfds.
     exits: Vec<Option<OwnedFd>>,
     spin: Spin,
@@ -279,27 +282,36 @@ pub const INLINE: usize = LINE - INLINE_AT;
 /// Offset of the full frame header in a head's second line.
 const HEADER_AT: usize = 8;
 
+/// Seeds of the digest terms, one per word of an encoded frame header.
+const SEEDS: [u64; HEADER_LEN / 8] = [
+    0x243f_6a88_85a3_08d3,
+    0x1319_8a2e_0370_7344,
+    0xa409_3822_299f_31d0,
+    0x082e_fa98_ec4e_6c89,
+    0x4528_21e6_38d0_1377,
+    0xbe54_66cf_34e9_0c6c,
+    0xc0ac_29b7_c97c_50dd,
+];
+
+/// Word `i` of an encoded frame header through the bijection of its own
+/// (offset by its seed, multiplied by an odd constant).
+fn term(i: usize, word: u64) -> u64 {
+    (word ^ SEEDS[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// The term of the payload's length, the header's last word.
+fn len_term(len: u64) -> u64 {
+    term(HEADER_LEN / 8 - 1, len)
+}
+
 /// The terms of an encoded frame header's digest: its first six words
-/// (the call) and its last (the payload's length), each through a bijection
-/// of its own (offset by a constant of its own, multiplied by an odd one),
-/// those of the call folded with xor. The products are independent: no
-/// chain of multiplies before a post is published.
+/// (the call), their terms folded with xor, and its last (the payload's
+/// length). The products are independent: no chain of multiplies before a
+/// post is published.
 fn terms(header: &[u8; HEADER_LEN]) -> (u64, u64) {
-    const SEEDS: [u64; HEADER_LEN / 8] = [
-        0x243f_6a88_85a3_08d3,
-        0x1319_8a2e_0370_7344,
-        0xa409_3822_299f_31d0,
-        0x082e_fa98_ec4e_6c89,
-        0x4528_21e6_38d0_1377,
-        0xbe54_66cf_34e9_0c6c,
-        0xc0ac_29b7_c97c_50dd,
-    ];
-    let term = |i: usize| {
-        let w = u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-        (w ^ SEEDS[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-    };
-    let call = (0..HEADER_LEN / 8 - 1).fold(0, |h, i| h ^ term(i));
-    (call, term(HEADER_LEN / 8 - 1))
+    let word = |i: usize| u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+    let call = (0..HEADER_LEN / 8 - 1).fold(0, |h, i| h ^ term(i, word(i)));
+    (call, len_term(word(HEADER_LEN / 8 - 1)))
 }
 
 /// The murmur3 finalizer: a bijection that mixes every bit into every other.
@@ -811,8 +823,8 @@ impl GroupMemory for Board {
         .encode();
         let (call, of_len) = terms(&header);
         self.current.store(call, Ordering::Relaxed);
+        self.current_of.store(round, Ordering::Relaxed);
         let sum = finish(call ^ of_len ^ self.history.load(Ordering::Relaxed));
-        self.last_post.remember(round, len, sum);
         let payload = self.payload_at(self.rank, round, len);
         // SAFETY: this rank's own head and payload, which no peer reads
         // until the call number below is published (peers finished their
@@ -854,10 +866,16 @@ impl GroupMemory for Board {
             len: len as u64,
             ..*header
         };
-        let want = self
-            .last_post
-            .digest_of(round, len)
-            .unwrap_or_else(|| digest(&expect().encode(), self.history.load(Ordering::Relaxed)));
+        let history = self.history.load(Ordering::Relaxed);
+        let want = match self.current_of.load(Ordering::Relaxed) == round {
+            true => finish(self.current.load(Ordering::Relaxed) ^ len_term(len as u64) ^ history),
+            false => digest(&expect().encode(), history),
+        };
+        debug_assert_eq!(
+            want,
+            digest(&expect().encode(), history),
+            "read with another header than posted"
+        );
         if self.seg.load(at + DIGEST) != want {
             // SAFETY: the head was published for this call and its owner
             // does not write it again before this rank publishes its next call.
@@ -1037,30 +1055,6 @@ impl GroupMemory for Board {
     }
 }
 
-/// The round, length and header digest of this rank's last post: a read of
-/// a payload of the same length in the same round expects the same header,
-/// so its digest need not be computed again.
-#[derive(Debug, Default)]
-struct LastPost {
-    round: AtomicU64,
-    len: AtomicU64,
-    digest: AtomicU64,
-}
-
-impl LastPost {
-    fn remember(&self, round: u64, len: usize, digest: u64) {
-        // Only the rank's own (one) driving thread posts and reads.
-        self.round.store(round, Ordering::Relaxed);
-        self.len.store(len as u64, Ordering::Relaxed);
-        self.digest.store(digest, Ordering::Relaxed);
-    }
-
-    fn digest_of(&self, round: u64, len: usize) -> Option<u64> {
-        (self.round.load(Ordering::Relaxed) == round
-            && self.len.load(Ordering::Relaxed) == len as u64)
-            .then(|| self.digest.load(Ordering::Relaxed))
-    }
-}
 /// Sets up the board of a communicator of `n` ranks that all run on this
 /// host, with slots of [`board_slot_bytes`].
 ///
@@ -1178,11 +1172,11 @@ pub fn connect_board(
         calls: AtomicU64::new(0),
         history: AtomicU64::new(0),
         current: AtomicU64::new(0),
+        current_of: AtomicU64::new(0),
         seen: (0..n)
             .map(|p| AtomicU64::new(if p == rank { u64::MAX } else { 0 }))
             .collect(),
         payload_free_for: AtomicU64::new(0),
-        last_post: LastPost::default(),
         exits: Vec::new(),
         spin,
         window: SpinWindow::new(spin.window),
