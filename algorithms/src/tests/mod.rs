@@ -864,3 +864,69 @@ fn a_forwarding_rank_finishes_in_one_poll_once_its_data_is_there() {
     run(2, &mut last).unwrap();
     assert_eq!(last, sent);
 }
+
+/// A 2-rank broadcast runs one lane on each rank where the root's copy of
+/// its input onto its output does nothing (in place); out of place the root
+/// still copies while it sends. A rank whose one lane waits for data that
+/// never comes fails at the deadline, naming the rank it waited for.
+#[test]
+fn one_lane_calls_copy_where_needed_and_time_out_naming_the_peer() {
+    let coll = Collective::new(CollectiveKind::Broadcast, DataType::U8, 64).with_root(0);
+    let schedule = |rank| {
+        Algorithm::Chain
+            .schedule(&coll, rank, 2, 16, Layout::InPlace)
+            .unwrap()
+    };
+    let call = |rank| Call {
+        comm: 1,
+        seq: 1,
+        rank,
+        world_size: 2,
+        coll,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let _entered = rt.enter();
+    let (root, other) = (schedule(0), schedule(1));
+    assert_eq!(root.lanes.len(), 2, "the root's copy and its sends");
+    let sent: Vec<u8> = (0..64).collect();
+    for in_place in [true, false] {
+        let links = mesh(2, false);
+        let mut input = sent.clone();
+        let mut output = vec![0u8; 64];
+        let io = match in_place {
+            true => IoBuffers::host_in_place(&mut input),
+            false => IoBuffers::host(&input, &mut output),
+        };
+        rt.block_on(execute(&root, io, &links[0], &call(0), &mut None, None))
+            .unwrap();
+        if !in_place {
+            assert_eq!(output, sent, "the root's output out of place");
+        }
+        let mut got = vec![0u8; 64];
+        let io = IoBuffers::host_in_place(&mut got);
+        rt.block_on(execute(&other, io, &links[1], &call(1), &mut None, None))
+            .unwrap();
+        assert_eq!(got, sent, "in place: {in_place}");
+    }
+    let links = mesh(2, false);
+    let mut got = vec![0u8; 64];
+    let deadline = Some(Duration::from_millis(100));
+    let io = IoBuffers::host_in_place(&mut got);
+    match rt.block_on(execute(
+        &other,
+        io,
+        &links[1],
+        &call(1),
+        &mut None,
+        deadline,
+    )) {
+        Err(Error::Timeout { context, what, .. }) => {
+            assert!(context.contains("rank 1"), "{context}");
+            assert!(what.contains("rank(s) [0]"), "{what}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+}
