@@ -123,6 +123,21 @@ const SLOT_CHUNKS_MIN: usize = 2 << 20;
 /// gather 542/733, 2900/2764.
 const SLOT_CHUNKS_MIN_SHARING_CPUS: usize = 8 << 20;
 
+/// The share of the slot that a call of one block a round (broadcast,
+/// allgather, gather) fills, where [`SLOT_CHUNKS_MIN`] says it fills it:
+/// half, so that a round's copies (the input into the post and into the
+/// output, the peer's post out) stay within a core's 2 MiB of L2. On a
+/// 2-vCPU AMD EPYC VM of CPU family 26 (Zen 5), the whole slot against
+/// half, medians of 6 alternating runs at 2 ranks (µs), 2, 8, 32 and 128
+/// MiB: allgather 74/64, 460/290, 3037/2813, 11,941/11,430 (17,431/12,458
+/// while the cores were far); broadcast 88/79, 531/469, 3339/3127,
+/// 12,697/13,399; gather 62/57, 301/233, 1854/1930, 8366/7801; at 4 ranks,
+/// 8 MiB: allgather 1166/888, broadcast 1047/876, gather 370/262. A
+/// quarter was no faster than half. Calls of n blocks a round (all-to-all,
+/// scatter) already post (n − 1)/n of the slot at most, and were even or
+/// slower with half of that (docs/compare/zen5/chunks/).
+const ONE_BLOCK_SLOT_SHARE: usize = 2;
+
 /// The largest allreduce run as [`BoardCall::small_allreduce`] (where it
 /// fits a slot, and is not streamed): one chunk, below mapped reductions.
 const SMALL_ALLREDUCE_MAX: usize = 2048;
@@ -324,9 +339,15 @@ impl BoardCall<'_> {
         // paths must agree on every rank, so this goes by the root's output
         // (a reduce's other ranks have none).
         let large = streams(mem, self.needs(coll.root, n).1);
-        let chunk = match direct && large || self.fills_slots(mem, n) {
-            true => mem.slot_bytes(),
-            false => mem.slot_bytes().min(CHUNK_MAX),
+        let chunk = if direct && large {
+            mem.slot_bytes()
+        } else if self.fills_slots(mem, n) {
+            match blocks {
+                1 => mem.slot_bytes() / ONE_BLOCK_SLOT_SHARE,
+                _ => mem.slot_bytes(),
+            }
+        } else {
+            mem.slot_bytes().min(CHUNK_MAX)
         };
         let piece = (chunk / blocks / es * es).max(es);
         // Where a reduction to be streamed out is computed first.
