@@ -5,7 +5,7 @@
 # earlier sessions). Run from the repository root after `scripts/test` (which installs the
 # peers) and `cargo build --release -p ccl-bench`.
 set -u
-D=docs/compare/zen5
+D=${D:-docs/compare/zen5}
 for n in 2 4; do for link in shm tcp; do for coll in allreduce allgather reduce-scatter broadcast alltoall; do
   peers=openmpi,mpich
   if [ $n = 4 ] && [ $link = tcp ]; then peers=openmpi,gloo; fi
