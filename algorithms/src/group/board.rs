@@ -343,7 +343,9 @@ impl BoardCall<'_> {
             mem.slot_bytes()
         } else if self.fills_slots(mem, n) {
             match blocks {
-                1 => mem.slot_bytes() / ONE_BLOCK_SLOT_SHARE,
+                // Never below the chunk of smaller calls (slots shrink
+                // beyond 16 ranks).
+                1 => (mem.slot_bytes() / ONE_BLOCK_SLOT_SHARE).max(mem.slot_bytes().min(CHUNK_MAX)),
                 _ => mem.slot_bytes(),
             }
         } else {
