@@ -303,9 +303,9 @@ impl Algorithm {
             (CollectiveKind::AllReduce, Algorithm::Direct) => {
                 direct::allreduce(r, n, c, p, finalize)
             }
-            (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p),
+            (CollectiveKind::AllGather, Algorithm::Ring) => ring::allgather(r, n, c, p, layout),
             (CollectiveKind::AllGather, Algorithm::RecursiveDoubling) => {
-                halving::allgather(r, n, c, p)
+                halving::allgather(r, n, c, p, layout)
             }
             (CollectiveKind::ReduceScatter, Algorithm::Ring) => {
                 ring::reduce_scatter(r, n, c, p, finalize)

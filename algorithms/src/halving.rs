@@ -17,7 +17,7 @@ use std::ops::Range;
 
 use crate::{
     doubling::{folded_allreduce, Fold, Role},
-    schedule::{split_even, Action, BufId, Builder, Region, Schedule},
+    schedule::{split_even, Action, BufId, Builder, Layout, Region, Schedule},
 };
 
 /// Where a vector of elements lives: element `x` is element `x − base` of `buf`.
@@ -82,7 +82,9 @@ fn halve(
 }
 
 /// Recursive doubling: survivor `v` holds block `v` of `bounds` in `buf` and
-/// ends with every block.
+/// ends with every block. The first round sends `first` where given (the
+/// same data as block `v`, elsewhere: the input of an allgather, so that
+/// the send need not wait for the copy of the block into the output).
 fn double(
     b: &mut Builder,
     fold: &Fold,
@@ -90,12 +92,17 @@ fn double(
     bounds: &[Range<usize>],
     buf: Space,
     piece: usize,
+    first: Option<Region>,
 ) {
     let mut m = 1;
     while m < fold.p {
         let (mine, theirs) = halves(v, m);
         let peer = fold.real(v ^ m);
-        b.send_pieces(peer, buf.at(span(bounds, mine)), piece);
+        let send = match first {
+            Some(r) if m == 1 => r,
+            _ => buf.at(span(bounds, mine)),
+        };
+        b.send_pieces(peer, send, piece);
         b.recv_pieces(peer, buf.at(span(bounds, theirs)), piece);
         m *= 2;
     }
@@ -128,7 +135,7 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
         if finalize {
             b.finalize_pieces(mine, piece);
         }
-        double(b, fold, v, &bounds, out, piece);
+        double(b, fold, v, &bounds, out, piece, None);
     })
 }
 
@@ -197,9 +204,10 @@ pub fn reduce_scatter(
 }
 
 /// Allgather by recursive doubling: each rank contributes `count` elements;
-/// the output holds `n * count`.
-pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule {
-    let mut b = Builder::new();
+/// the output holds `n * count`. Out of place (`layout`), the first round's
+/// send from the input does not wait for the block's copy into the output.
+pub fn allgather(rank: usize, n: usize, count: usize, piece: usize, layout: Layout) -> Schedule {
+    let mut b = Builder::for_layout(layout);
     let fold = Fold::new(n);
     let out = Space::at_zero(BufId::Output);
     let block = |r: usize| out.at(r * count..(r + 1) * count);
@@ -217,7 +225,18 @@ pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule 
             if let Some(q) = partner {
                 b.recv_pieces(q, block(q), piece);
             }
-            double(&mut b, &fold, v, &rank_blocks(&fold, count), out, piece);
+            // Without a folded partner the first round sends this rank's
+            // block alone, which the input holds.
+            let first = partner.is_none().then_some(input);
+            double(
+                &mut b,
+                &fold,
+                v,
+                &rank_blocks(&fold, count),
+                out,
+                piece,
+                first,
+            );
             if let Some(q) = partner {
                 b.send_pieces(q, out.at(0..n * count), piece);
             }
@@ -268,5 +287,52 @@ mod tests {
             .filter(|op| matches!(op.action, Action::Send { .. }))
             .count();
         assert_eq!(sends, 2 * 2 + 1);
+    }
+
+    /// Out of place, a survivor without a folded partner (and every rank of
+    /// a ring) sends its first round from its input, not waiting for its block's copy into the
+    /// output; at 2 ranks nothing waits for that copy (so the executor may
+    /// stream it). A
+    /// survivor that carries a folded rank sends both blocks from the output.
+    #[test]
+    fn allgather_sends_its_first_round_from_the_input() {
+        let first_send = |s: &Schedule| {
+            s.ops
+                .iter()
+                .find_map(|op| match op.action {
+                    Action::Send { src, .. } => Some(src),
+                    _ => None,
+                })
+                .expect("a send")
+        };
+        let copy_waited_for = |s: &Schedule| {
+            let at = s
+                .ops
+                .iter()
+                .position(|op| matches!(op.action, Action::Copy { .. }))
+                .expect("the own block's copy") as u32;
+            s.ops.iter().any(|op| op.deps.contains(&at))
+        };
+        for (rank, n) in [(0, 2), (1, 2), (2, 4), (4, 5)] {
+            let s = allgather(rank, n, 10, 1 << 20, Layout::OutOfPlace);
+            assert_eq!(
+                first_send(&s),
+                Region::new(BufId::Input, 0, 10),
+                "rank {rank} of {n}"
+            );
+            assert_eq!(copy_waited_for(&s), n > 2, "rank {rank} of {n}");
+        }
+        let s = allgather(1, 3, 10, 1 << 20, Layout::OutOfPlace);
+        assert_eq!(first_send(&s), Region::new(BufId::Output, 0, 20));
+        // The ring's own block goes out in its first step only.
+        for (rank, n) in [(0, 2), (1, 3), (3, 5)] {
+            let s = crate::ring::allgather(rank, n, 10, 1 << 20, Layout::OutOfPlace);
+            assert_eq!(
+                first_send(&s),
+                Region::new(BufId::Input, 0, 10),
+                "ring, rank {rank} of {n}"
+            );
+            assert!(!copy_waited_for(&s), "ring, rank {rank} of {n}");
+        }
     }
 }

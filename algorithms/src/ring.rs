@@ -4,7 +4,7 @@
 //! and reducing piece k + 1. Bandwidth-optimal: each rank sends
 //! 2(n-1)/n of the buffer for allreduce.
 
-use crate::schedule::{pieces, split_even, Action, BufId, Builder, Region, Schedule};
+use crate::schedule::{pieces, split_even, Action, BufId, Builder, Layout, Region, Schedule};
 
 fn right(rank: usize, n: usize) -> usize {
     (rank + 1) % n
@@ -86,12 +86,15 @@ pub fn allreduce(rank: usize, n: usize, count: usize, piece: usize, finalize: bo
     b.finish()
 }
 
-/// Ring allgather: each rank contributes `count` elements; output holds `n * count`.
-pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule {
-    let mut b = Builder::new();
+/// Ring allgather: each rank contributes `count` elements; output holds
+/// `n * count`. The first step sends the rank's block from its input: out
+/// of place (`layout`), no op then waits for its copy into the output.
+pub fn allgather(rank: usize, n: usize, count: usize, piece: usize, layout: Layout) -> Schedule {
+    let mut b = Builder::for_layout(layout);
     let blk = |i: usize| Region::new(BufId::Output, i * count, count);
+    let input = Region::new(BufId::Input, 0, count);
     b.push(Action::Copy {
-        src: Region::new(BufId::Input, 0, count),
+        src: input,
         dst: blk(rank),
     });
     let (to, from) = (right(rank, n), left(rank, n));
@@ -100,13 +103,12 @@ pub fn allgather(rank: usize, n: usize, count: usize, piece: usize) -> Schedule 
             .into_iter()
             .map(|dst| Action::Recv { peer: from, dst })
             .collect();
-        step(
-            &mut b,
-            to,
-            from,
-            pieces(blk(block(rank, s, n)), piece),
-            recvs,
-        );
+        let sent = if s == 0 {
+            input
+        } else {
+            blk(block(rank, s, n))
+        };
+        step(&mut b, to, from, pieces(sent, piece), recvs);
     }
     b.finish()
 }

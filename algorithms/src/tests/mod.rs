@@ -396,6 +396,61 @@ fn allgather_all_sizes() {
     });
 }
 
+/// Copies of several pieces ([`COPY_PIECE`](crate::executor::COPY_PIECE)),
+/// between which the other lanes run, and of a part piece at the end: the
+/// own block of an allgather and an all-to-all, every algorithm, both
+/// layouts, 2 and 3 ranks.
+#[test]
+fn copies_of_several_pieces_arrive_whole() {
+    let count = 5 * crate::executor::COPY_PIECE / 2 / 8 + 3;
+    for kind in [CollectiveKind::AllGather, CollectiveKind::AllToAll] {
+        for n in [2, 3] {
+            let coll = Collective::new(kind, DataType::U64, count);
+            let inputs: Vec<Vec<u8>> = (0..n)
+                .map(|r| {
+                    let len = coll.buffer_elems(r, n).0;
+                    bytes(&(0..len).map(|i| val(r, i)).collect::<Vec<_>>())
+                })
+                .collect();
+            let algorithms = algorithms_for(kind)
+                .into_iter()
+                .filter(|a| !a.on_group_memory());
+            for algorithm in algorithms {
+                for layout in [Layout::OutOfPlace, Layout::InPlace] {
+                    let outs = run(
+                        algorithm,
+                        kind,
+                        n,
+                        count,
+                        0,
+                        ReduceOp::Sum,
+                        1 << 20,
+                        layout,
+                        DataType::U64,
+                        &inputs,
+                    );
+                    for (r, out) in outs.iter().enumerate() {
+                        let want: Vec<u64> = (0..n)
+                            .flat_map(|p| {
+                                let from = if kind == CollectiveKind::AllToAll {
+                                    r * count
+                                } else {
+                                    0
+                                };
+                                (0..count).map(move |i| val(p, from + i))
+                            })
+                            .collect();
+                        assert!(
+                            u64s(out) == want,
+                            "{kind} {algorithm} n={n} rank={r} {layout:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn reduce_scatter_all_sizes() {
     check_kind(CollectiveKind::ReduceScatter, |n, c, _, r| {
