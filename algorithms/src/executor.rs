@@ -92,7 +92,7 @@ impl Memory {
     }
 }
 
-/// The smallest copy that [`Exec::copy`] writes with streaming stores,
+/// The smallest copy that [`Exec::copy_plan`] streams, with streaming stores,
 /// where nothing in the call reads it again: one that leaves the L2 and
 /// half an L3 of 32 MiB. On a 2-vCPU AMD EPYC VM (Zen 5), 2 ranks over TCP,
 /// the own block's copy of a 128 MiB allgather and all-to-all (64 MiB)
@@ -119,8 +119,9 @@ struct Exec<'a> {
     /// The first error; once set, every lane stops.
     failure: Mutex<Option<Error>>,
     failed: AtomicBool,
-    /// More than one lane runs: a long copy lets the others run between its pieces.
-    yields: bool,
+    /// More than one lane runs: a long copy lets the others run between its
+    /// pieces (set once that is known, before the lanes start).
+    yields: AtomicBool,
 }
 
 impl Exec<'_> {
@@ -219,35 +220,57 @@ impl Exec<'_> {
             .any(|op| op.deps.contains(&(i as u32)))
     }
 
-    /// Copies `src` into `dst` (op `i`). A copy of host memory that no
-    /// later op waits for ([`Self::left_for_the_caller`]) goes in pieces of
-    /// [`COPY_PIECE`] bytes where other lanes run, letting them run between
-    /// pieces: a rank's sockets move data while it copies its own block (the
-    /// local lane is polled first, and would otherwise copy all of it before
-    /// the first send). From [`STREAM_COPY_MIN`] bytes such a copy is also
-    /// streamed ([`kernels::copy_streaming`]). A copy that ops wait for runs
-    /// whole, at once.
-    async fn copy(&self, i: usize, src: Region, dst: Region) -> Result<()> {
+    /// How op `i`, a copy of `src`, runs: in pieces of how many elements
+    /// (all of `src` for one piece), and whether streamed. A copy of host
+    /// memory that no later op waits for ([`Self::left_for_the_caller`])
+    /// goes in pieces of [`COPY_PIECE`] bytes where other lanes run, letting
+    /// them run between pieces: a rank's sockets move data while it copies
+    /// its own block (the local lane is polled first, and would otherwise
+    /// copy all of it before the first send). From [`STREAM_COPY_MIN`] bytes
+    /// such a copy is also streamed ([`kernels::copy_streaming`]). A copy
+    /// that ops wait for runs whole, at once.
+    fn copy_plan(&self, i: usize, src: Region) -> (usize, bool) {
         let mem = &self.mem;
         let bytes = src.len * mem.elem;
+        let yields = self.yields.load(Ordering::Relaxed);
         let aside = mem.kind == MemoryKind::Host
-            && (self.yields && bytes > COPY_PIECE || bytes >= STREAM_COPY_MIN)
+            && (yields && bytes > COPY_PIECE || bytes >= STREAM_COPY_MIN)
             && self.left_for_the_caller(i);
-        let stream = aside && bytes >= STREAM_COPY_MIN;
-        let piece = match aside && self.yields {
+        let piece = match aside && yields {
             true => (COPY_PIECE / mem.elem).max(1),
-            false => src.len.max(1),
+            false => src.len,
         };
+        (piece, aside && bytes >= STREAM_COPY_MIN)
+    }
+
+    /// Copies `src` into `dst` at once, streamed or not.
+    ///
+    /// # Safety
+    /// As [`Memory::write`] for `dst` and [`Memory::read`] for `src`.
+    unsafe fn copy_now(&self, src: Region, dst: Region, stream: bool) -> Result<()> {
+        let mem = &self.mem;
+        // SAFETY: as the caller promises.
+        let (to, from) = unsafe { (mem.write(&dst), mem.read(&src)) };
+        match stream {
+            true => kernels::copy_streaming(to.host()?, from.host()?),
+            false => mem.kernels.copy(to, from),
+        }
+    }
+
+    /// Copies `src` into `dst` in pieces of `piece` elements, letting the
+    /// other lanes run between them ([`yield_once`]).
+    async fn copy_in_pieces(
+        &self,
+        src: Region,
+        dst: Region,
+        piece: usize,
+        stream: bool,
+    ) -> Result<()> {
         let mut at = 0;
         while at < src.len {
             let len = piece.min(src.len - at);
-            let (s, d) = (src.sub(at, len), dst.sub(at, len));
             // SAFETY: parts of the op's regions (see `run_op`).
-            let (to, from) = unsafe { (mem.write(&d), mem.read(&s)) };
-            match stream {
-                true => kernels::copy_streaming(to.host()?, from.host()?)?,
-                false => mem.kernels.copy(to, from)?,
-            }
+            unsafe { self.copy_now(src.sub(at, len), dst.sub(at, len), stream)? };
             at += len;
             if at < src.len {
                 yield_once().await;
@@ -293,7 +316,15 @@ impl Exec<'_> {
             }
             Action::Copy { src, dst } => {
                 if mem.ptr(&src) != mem.ptr(&dst) {
-                    self.copy(i, src, dst).await?;
+                    match self.copy_plan(i, src) {
+                        // Boxed: held across its awaits, its state would
+                        // grow every op's future (and every small call's
+                        // moves of it).
+                        (piece, stream) if piece < src.len => {
+                            Box::pin(self.copy_in_pieces(src, dst, piece, stream)).await?
+                        }
+                        (_, stream) => unsafe { self.copy_now(src, dst, stream)? },
+                    }
                 }
             }
             Action::Finalize { dst } => {
@@ -306,7 +337,7 @@ impl Exec<'_> {
     }
 }
 
-/// Bytes of each piece of a host copy that [`Exec::copy`] lets the other
+/// Bytes of each piece of a host copy that [`Exec::copy_plan`] lets the other
 /// lanes run between. On a 2-vCPU AMD EPYC VM (Zen 5), 2 ranks over TCP,
 /// with the own block's copy in pieces and streamed and the allgathers'
 /// first send from the input, against whole copies after which the first
@@ -417,14 +448,6 @@ pub async fn execute(
             return Err(Error::Internal(format!("op {i} depends on a later op")));
         }
     }
-    let live_in = |done: &[AtomicBool], ops: &[u32]| {
-        all_live
-            || ops
-                .iter()
-                .any(|&i| !done[i as usize].load(Ordering::Relaxed))
-    };
-    let live_lanes = schedule.lanes.iter().filter(|(_, ops)| live_in(&done, ops));
-    let yields = live_lanes.count() > 1;
     let exec = Exec {
         schedule,
         links,
@@ -434,9 +457,14 @@ pub async fn execute(
         progress: AtomicU64::new(0),
         failure: Mutex::new(None),
         failed: AtomicBool::new(false),
-        yields,
+        yields: AtomicBool::new(false),
     };
-    let live = |ops: &[u32]| live_in(&exec.done, ops);
+    let live = |ops: &[u32]| {
+        all_live
+            || ops
+                .iter()
+                .any(|&i| !exec.done[i as usize].load(Ordering::Relaxed))
+    };
     let mut lanes = schedule.lanes.iter().filter(|(_, ops)| live(ops));
     if let (first, None) = (lanes.next(), lanes.next()) {
         // One lane runs its ops in order: none waits for another lane, and
@@ -452,6 +480,7 @@ pub async fn execute(
         }
         return exec.outcome(call);
     }
+    exec.yields.store(true, Ordering::Relaxed);
     // Every lane is polled on every wake-up of the one task (not only the
     // lane that was woken, as `join_all` does past 30 futures), and again
     // after any pass in which an op finished: a lane may wait on another's
