@@ -349,7 +349,10 @@ impl Exec<'_> {
 pub(crate) const COPY_PIECE: usize = 256 * 1024;
 
 /// Returns `Pending` once, having woken its task, then `Ready`: the task's
-/// other lanes, and through the runtime its sockets, get a turn.
+/// other lanes, and through the runtime its sockets, get a turn. Not
+/// `tokio::task::yield_now`, which would take tokio's `rt` feature into this
+/// crate and defers its wake-up to a runtime context, which a call driven
+/// without the runtime's loop (repolls) does not pass through.
 async fn yield_once() {
     let mut yielded = false;
     poll_fn(|cx| {
