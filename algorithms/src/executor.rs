@@ -26,8 +26,8 @@ use std::{
 };
 
 use ccl_core::{
-    kernels, BufMut, BufRef, Call, Error, FrameHeader, Kernels, Link, MemoryKind, Reduction,
-    Repoll, Result, Scratch,
+    kernels, yield_once, BufMut, BufRef, Call, Error, FrameHeader, Kernels, Link, MemoryKind,
+    Reduction, Repoll, Result, Scratch,
 };
 use futures::future::{select, Either};
 use smallvec::SmallVec;
@@ -347,24 +347,6 @@ impl Exec<'_> {
 /// Pieces of 64 KiB did about as well, of 1 MiB no better than whole
 /// copies in the 128 MiB allgather.
 pub(crate) const COPY_PIECE: usize = 256 * 1024;
-
-/// Returns `Pending` once, having woken its task, then `Ready`: the task's
-/// other lanes, and through the runtime its sockets, get a turn. Not
-/// `tokio::task::yield_now`, which would take tokio's `rt` feature into this
-/// crate and defers its wake-up to a runtime context, which a call driven
-/// without the runtime's loop (repolls) does not pass through.
-async fn yield_once() {
-    let mut yielded = false;
-    poll_fn(|cx| {
-        if yielded {
-            return Poll::Ready(());
-        }
-        yielded = true;
-        cx.waker().wake_by_ref();
-        Poll::Pending
-    })
-    .await
-}
 
 /// Resolves `deadline` after it is made (never without one). The runtime's
 /// timer is armed at the first poll with a real waker: a call that finishes

@@ -7,7 +7,7 @@
 //! the [`Link`] and [`Transport`] traits transports implement and the
 //! [`GroupMemory`] some of them offer, and [`loopback`] links through this
 //! process's memory; the [`Work`] handle; how waiting
-//! threads poll ([`Spin`], [`SpinWindow`], [`Repoll`]); the rendezvous [`Store`] trait; the
+//! threads poll ([`Spin`], [`SpinWindow`], [`Repoll`], [`yield_once`]); the rendezvous [`Store`] trait; the
 //! [`JobSecret`] and [`Error`]. It depends on no other ccl crate.
 
 mod buf;
@@ -26,6 +26,7 @@ pub mod secret;
 mod spin;
 mod store;
 mod transport;
+mod turn;
 mod window;
 mod work;
 
@@ -45,6 +46,7 @@ pub use store::Store;
 pub use transport::{
     cpu_mates, Connector, LinkClass, PairResult, PeerInfo, RepollWhen, Setup, Transport,
 };
+pub use turn::{take_yield, yield_once};
 pub use window::SpinWindow;
 pub use work::{work_pair, Completer, Event, Work};
 

@@ -10,7 +10,7 @@ use std::{
     time::Instant,
 };
 
-use ccl_core::{Repoll, Spin, SpinWindow};
+use ccl_core::{take_yield, Repoll, Spin, SpinWindow};
 
 /// Polls a future without letting the runtime sleep for up to the spin
 /// window after each real wake-up: while it is pending and inside the window
@@ -20,7 +20,10 @@ use ccl_core::{Repoll, Spin, SpinWindow};
 ///
 /// The window adapts as the communicator's [`SpinWindow`] says: a sleep that
 /// ended soon (the peer came shortly after this thread gave up) widens it, a
-/// call that finished without sleeping narrows it back a little. With ranks
+/// call that finished without sleeping narrows it back a little. A wake the
+/// future gave itself ([`ccl_core::yield_once`]: a long copy between its
+/// pieces) is work, not a wait: it neither counts as a sleep nor uses the
+/// window up, which starts again after it. With ranks
 /// that share CPUs, a fixed 50 µs window let the ranks of a 4-rank
 /// reduce-scatter over TCP fall into sleeping and waking each other on every
 /// call (waking a sleeping rank takes about 60 µs on a small VM).
@@ -77,16 +80,22 @@ impl<F: Future + Unpin> Future for Polling<'_, F> {
         if let Some(v) = repoll(&mut self.inner, spin) {
             return self.done(v);
         }
+        take_yield();
         match Pin::new(&mut self.inner).poll(cx) {
             Poll::Ready(v) => self.done(v),
             Poll::Pending => {
+                // A future that yielded woke the task itself: it was working,
+                // not waiting, so the window starts again at the next poll.
+                let yielded = take_yield();
                 let now = Instant::now();
-                if now < self.until {
+                if yielded || now < self.until {
                     if self.spin.yield_between {
                         thread::yield_now();
                     }
-                    self.self_woken = true;
-                    cx.waker().wake_by_ref();
+                    if !yielded {
+                        self.self_woken = true;
+                        cx.waker().wake_by_ref();
+                    }
                 } else {
                     self.asleep = Some(now);
                     self.slept = true;
@@ -189,6 +198,40 @@ mod tests {
         wait_for_a_peer(&window, WINDOW / 10);
         assert!(window.get() < 2 * WINDOW, "{:?}", window.get());
         assert!(window.get() > WINDOW, "{:?}", window.get());
+    }
+
+    #[test]
+    fn work_that_yields_past_the_window_neither_widens_it_nor_sleeps() {
+        let window = SpinWindow::new(WINDOW);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let spin = Spin {
+            window: WINDOW,
+            yield_between: false,
+            repoll: false,
+        };
+        // Three windows of work in pieces, as a long copy runs, then a peer
+        // that comes within the window.
+        let work = Box::pin(async {
+            let start = Instant::now();
+            let mut pieces = 0;
+            while start.elapsed() < 3 * WINDOW {
+                ccl_core::yield_once().await;
+                pieces += 1;
+            }
+            let (tx, rx) = oneshot::channel::<()>();
+            let peer = thread::spawn(move || {
+                thread::sleep(WINDOW / 10);
+                let _ = tx.send(());
+            });
+            rx.await.expect("the peer sends");
+            peer.join().expect("peer thread");
+            pieces
+        });
+        let pieces = rt.block_on(Polling::new(work, spin, &window));
+        assert!(pieces > 1, "{pieces}");
+        assert_eq!(window.get(), WINDOW);
     }
 
     #[test]
